@@ -1,0 +1,68 @@
+// EPFlow: the shape and knobs of one expert-parallel MoE layer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "epflow/status.h"
+
+namespace epflow {
+
+// Data type of the expert GEMMs. Activations and weights enter and leave the API in bf16 either
+// way; the low-precision modes quantize inside the layer.
+enum class DType {
+  kBF16,
+  kFP8Blockwise,  // e4m3, 1x128 activation / 128x128 weight scales (not implemented yet)
+  kMXFP8,         // e4m3 + one e8m0 scale per 32 values, wire/storage format (not implemented yet)
+};
+
+const char* to_string(DType dtype);
+
+// Limits the kernels are built for. Checked by validate(); see README "Limits".
+struct Limits {
+  static constexpr int64_t kHiddenMultiple = 64;        // H: TMA box / wgmma K step
+  static constexpr int64_t kIntermediateMultiple = 64;  // I: K step of the down GEMM
+  static constexpr int32_t kMaxTopK = 16;
+  static constexpr int32_t kMaxEpSize = 72;             // one NVLink domain (NVL72)
+  static constexpr int32_t kMaxExpertsPerRank = 1024;
+  static constexpr int64_t kMaxSlotsPerRank = int64_t{1} << 30;  // T_max * K: slot ids are int32
+};
+
+struct LayerConfig {
+  // Model shape.
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I (per expert)
+  int32_t num_experts = 0;   // experts over the whole EP group
+  int32_t top_k = 0;         // K
+
+  // Expert parallelism: this rank owns experts [ep_rank * E_local, (ep_rank + 1) * E_local).
+  int32_t ep_size = 1;
+  int32_t ep_rank = 0;
+
+  // Largest T any rank passes to forward(); T may differ per rank and per call up to this.
+  int64_t max_tokens_per_rank = 0;
+
+  DType dtype = DType::kBF16;
+
+  // Knobs. 0 means "choose automatically" (see runtime heuristics).
+  int32_t comm_sms = 0;        // SMs of the megakernel's communication partition
+  int64_t minibatch_rows = 0;  // routed rows handed to compute at once (multiple of the tile height)
+  int64_t ring_rows = 0;       // capacity of the routed-token ring buffer, in rows
+
+  // Every wait on another SM or GPU gives up after this long with a diagnostic.
+  double timeout_seconds = 5.0;
+
+  int32_t experts_per_rank() const { return ep_size > 0 ? num_experts / ep_size : 0; }
+  std::string to_string() const;
+};
+
+// Checks a config against the limits of the kernels; no device needed.
+Status validate(const LayerConfig& config);
+
+// FLOPs of the routed experts' forward for `routed_rows` (token, k) rows: 3 GEMMs of 2*H*I each.
+inline double forward_flops(const LayerConfig& c, int64_t routed_rows) {
+  return 6.0 * static_cast<double>(routed_rows) * static_cast<double>(c.hidden) *
+         static_cast<double>(c.intermediate);
+}
+
+}  // namespace epflow

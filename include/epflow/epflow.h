@@ -1,0 +1,6 @@
+// EPFlow public API: include this.
+#pragma once
+
+#include "epflow/config.h"
+#include "epflow/layer.h"
+#include "epflow/status.h"

@@ -1,0 +1,97 @@
+// EPFlow: the expert-parallel MoE layer handle: create once per communicator and shape, then call
+// forward() and backward() on device pointers, stream-ordered, with no host synchronisation.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "epflow/config.h"
+#include "epflow/status.h"
+
+namespace epflow {
+
+// This rank's experts, row-major bf16 on the device (the layout of torch.nn.Linear weights):
+// gate and up [E_local, I, H], down [E_local, H, I].
+struct ExpertWeights {
+  const __nv_bfloat16* gate = nullptr;
+  const __nv_bfloat16* up = nullptr;
+  const __nv_bfloat16* down = nullptr;
+};
+
+struct ForwardArgs {
+  int64_t num_tokens = 0;                 // T on this rank, 0 <= T <= max_tokens_per_rank
+  const __nv_bfloat16* x = nullptr;       // [T, H]
+  const int32_t* topk_idx = nullptr;      // [T, K] global expert ids; -1 = empty slot
+  const float* topk_weights = nullptr;    // [T, K]
+  ExpertWeights weights;
+  __nv_bfloat16* y = nullptr;             // [T, H] out
+};
+
+// What forward() keeps for backward(). The tensors it points at (x, topk_idx, topk_weights,
+// weights) belong to the caller and must stay unchanged until backward() has been enqueued.
+// A context is valid until the next forward() on the same Layer.
+struct SavedContext {
+  uint64_t generation = 0;  // 0: never filled
+  int64_t num_tokens = 0;
+  const __nv_bfloat16* x = nullptr;
+  const int32_t* topk_idx = nullptr;
+  const float* topk_weights = nullptr;
+  ExpertWeights weights;
+};
+
+enum class GradDType { kBF16, kFP32 };
+
+struct BackwardArgs {
+  const __nv_bfloat16* dy = nullptr;      // [T, H]
+  __nv_bfloat16* dx = nullptr;            // [T, H] out
+  float* d_topk_weights = nullptr;        // [T, K] out; 0 for empty slots
+  // This rank's weight gradients, same layouts as ExpertWeights, in grad_dtype.
+  void* d_gate = nullptr;
+  void* d_up = nullptr;
+  void* d_down = nullptr;
+  GradDType grad_dtype = GradDType::kFP32;
+  bool accumulate_weight_grads = false;   // add into d_* instead of overwriting
+};
+
+// Device memory the layer holds, by purpose (bytes).
+struct MemoryReport {
+  int64_t symmetric_bytes = 0;   // NCCL symmetric windows (peers read or write them)
+  int64_t ring_bytes = 0;        // routed-token ring buffer and expert intermediates
+  int64_t schedule_bytes = 0;    // pull table, counts, counters
+  int64_t saved_bytes = 0;       // activations kept for backward
+  int64_t total() const { return symmetric_bytes + ring_bytes + schedule_bytes + saved_bytes; }
+};
+
+// Host-side checks of one call's arguments; forward()/backward() run them before any launch.
+Status validate(const LayerConfig& config, const ForwardArgs& args);
+Status validate(const LayerConfig& config, const SavedContext& saved, const BackwardArgs& args);
+
+class Layer {
+ public:
+  // `comm` spans the EP group: its size must equal config.ep_size and its rank config.ep_rank.
+  static Status create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr<Layer>* out);
+  ~Layer();
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+
+  Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved);
+  Status backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream);
+
+  const LayerConfig& config() const;
+  MemoryReport memory() const;
+
+ private:
+  struct Impl;
+  explicit Layer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// NCCL's device-communicator struct changes size between releases: the headers EPFlow was built
+// with must be those of the libnccl loaded at run time. Layer::create() calls this.
+Status check_nccl_version();
+
+}  // namespace epflow

@@ -1,0 +1,181 @@
+// The routing schedule: from every rank's topk_idx, this rank's pull table for its local experts.
+//
+// Portable (EPFLOW_HD): the host driver in routing_schedule_host.h and the device kernels in
+// src/kernels/routing_schedule.cu run these same functions, so the CPU tests prove the GPU layout.
+//
+// Layout of the pull table (one row per routed (token, k) slot whose expert lives on this rank):
+//  - rows grouped by local expert, experts in order; each expert's segment padded with
+//    padding rows up to a multiple of tile_m (the GEMM M tile), so no tile spans two experts;
+//  - inside a segment, rows interleaved across source ranks: the j-th row from every source
+//    together (round j = [src0's j-th, src1's j-th, ...], skipping sources that have run out),
+//    so one tile pulls from many peers at once instead of hammering one;
+//  - the rows from one source to one expert keep the order of their slot ids (token * K + k):
+//    the table is a pure function of the routing, so wgrad sums run in a fixed order;
+//  - the table is cut into macrobatches of whole tiles that fit the ring buffer; every row is in
+//    exactly one macrobatch, however many rows the routing sends (nothing is ever dropped).
+//
+// Slot ids are computed chunk by chunk (count per chunk, scan over chunks, fill per chunk) so
+// the device can run chunks in parallel; the result does not depend on the chunk size.
+#pragma once
+
+#include <cstdint>
+
+#include "common/hd.h"
+
+namespace epflow::sched {
+
+// A pull-table row: read slot `src_slot` (= token * top_k + k) of rank `src_rank`.
+struct PullRow {
+  int32_t src_rank;  // kPaddingRow for padding
+  int32_t src_slot;
+};
+inline constexpr int32_t kPaddingRow = -1;
+
+struct ScheduleShape {
+  int32_t world = 1;             // EP size
+  int32_t rank = 0;              // the rank whose pull table this is (the destination)
+  int32_t experts_per_rank = 1;  // E_local
+  int32_t top_k = 1;             // K
+  int32_t tile_m = 1;            // segment padding granularity (GEMM M tile)
+
+  EPFLOW_HD int32_t num_experts() const { return world * experts_per_rank; }
+};
+
+// local_expert_of() results that are not a local expert index.
+inline constexpr int32_t kNotLocal = -1;      // empty slot (-1) or an expert of another rank
+inline constexpr int32_t kInvalidExpert = -2; // id < -1 or >= num_experts
+
+EPFLOW_HD int32_t local_expert_of(const ScheduleShape& s, int32_t expert_id) {
+  if (expert_id == -1) return kNotLocal;
+  if (expert_id < -1 || expert_id >= s.num_experts()) return kInvalidExpert;
+  const int32_t owner = expert_id / s.experts_per_rank;
+  return owner == s.rank ? expert_id - owner * s.experts_per_rank : kNotLocal;
+}
+
+EPFLOW_HD int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+EPFLOW_HD int64_t ceil_div(int64_t v, int64_t m) { return (v + m - 1) / m; }
+
+// --- pass 1: counts ---------------------------------------------------------------------------
+
+// Adds the slots [slot_begin, slot_end) of one source's topk_idx into counts[E_local] and returns
+// how many slots held an invalid expert id (those are skipped, and reported by the caller).
+EPFLOW_HD int32_t count_chunk(const ScheduleShape& s, const int32_t* topk_idx, int64_t slot_begin,
+                              int64_t slot_end, int32_t* counts) {
+  int32_t invalid = 0;
+  for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
+    const int32_t e = local_expert_of(s, topk_idx[slot]);
+    if (e >= 0) counts[e] += 1;
+    invalid += (e == kInvalidExpert);
+  }
+  return invalid;
+}
+
+// --- pass 2: segment layout -------------------------------------------------------------------
+
+// counts[e * world + src] = rows from src to local expert e. Writes seg_offset[E_local + 1]
+// (padded start of each expert's segment; seg_offset[E_local] = total padded rows) and
+// returns the total. Empty experts get an empty segment.
+EPFLOW_HD int64_t layout_segments(const ScheduleShape& s, const int32_t* counts,
+                                  int64_t* seg_offset) {
+  int64_t offset = 0;
+  for (int32_t e = 0; e < s.experts_per_rank; ++e) {
+    seg_offset[e] = offset;
+    int64_t rows = 0;
+    for (int32_t src = 0; src < s.world; ++src) rows += counts[e * s.world + src];
+    offset += round_up(rows, s.tile_m);
+  }
+  seg_offset[s.experts_per_rank] = offset;
+  return offset;
+}
+
+EPFLOW_HD int64_t segment_rows(const ScheduleShape& s, const int32_t* counts, int32_t e) {
+  int64_t rows = 0;
+  for (int32_t src = 0; src < s.world; ++src) rows += counts[e * s.world + src];
+  return rows;
+}
+
+// Position inside an expert's segment of the j-th row (0-based) that source `src` sends it,
+// given that expert's per-source counts[world]: all rows of rounds < j come first, then the
+// sources before src that still have a j-th row.
+EPFLOW_HD int64_t interleaved_position(const int32_t* expert_counts, int32_t world, int32_t src,
+                                       int32_t j) {
+  int64_t pos = 0;
+  for (int32_t r = 0; r < world; ++r) {
+    const int32_t c = expert_counts[r];
+    pos += c < j ? c : j;
+    pos += (r < src && c > j);
+  }
+  return pos;
+}
+
+// --- pass 3: fill -----------------------------------------------------------------------------
+
+// Writes the rows of slots [slot_begin, slot_end) of source `src` into the table. ordinal[E_local]
+// holds, on entry, how many rows src sent each expert from slots before slot_begin (the exclusive
+// scan of pass-1 chunk counts) and is advanced in place.
+EPFLOW_HD void fill_chunk(const ScheduleShape& s, const int32_t* topk_idx, int32_t src,
+                          int64_t slot_begin, int64_t slot_end, const int32_t* counts,
+                          const int64_t* seg_offset, int32_t* ordinal, PullRow* table) {
+  for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
+    const int32_t e = local_expert_of(s, topk_idx[slot]);
+    if (e < 0) continue;
+    const int32_t j = ordinal[e]++;
+    const int64_t row =
+        seg_offset[e] + interleaved_position(counts + e * s.world, s.world, src, j);
+    table[row] = PullRow{src, static_cast<int32_t>(slot)};
+  }
+}
+
+// Marks the padding rows of expert e's segment.
+EPFLOW_HD void fill_padding(const ScheduleShape& s, const int32_t* counts,
+                            const int64_t* seg_offset, int32_t e, PullRow* table) {
+  for (int64_t row = seg_offset[e] + segment_rows(s, counts, e); row < seg_offset[e + 1]; ++row)
+    table[row] = PullRow{kPaddingRow, -1};
+}
+
+// Local expert owning padded row `row` (0 <= row < seg_offset[E_local]): binary search.
+EPFLOW_HD int32_t expert_of_row(const int64_t* seg_offset, int32_t experts_per_rank, int64_t row) {
+  int32_t lo = 0, hi = experts_per_rank - 1;
+  while (lo < hi) {  // last e with seg_offset[e] <= row; empty segments are skipped past
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (seg_offset[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Most rows a pull table can hold: every slot of every source routed here, plus padding.
+EPFLOW_HD int64_t pull_table_capacity(const ScheduleShape& s, int64_t max_tokens_per_rank) {
+  const int64_t per_token = s.top_k;
+  return int64_t{s.world} * max_tokens_per_rank * per_token +
+         int64_t{s.experts_per_rank} * (s.tile_m - 1);
+}
+
+// --- macrobatches over the ring buffer --------------------------------------------------------
+
+// A macrobatch is a run of whole tiles of the table, at most ring capacity rows long. Tiles of
+// one expert may fall into two macrobatches (the expert's GEMM is then done in two parts).
+struct RingPlan {
+  int64_t rows_per_macrobatch = 0;  // ring capacity rounded down to whole tiles (>= tile_m)
+};
+
+EPFLOW_HD RingPlan make_ring_plan(int64_t ring_rows, int32_t tile_m) {
+  return RingPlan{ring_rows / tile_m * tile_m};
+}
+
+EPFLOW_HD int32_t num_macrobatches(const RingPlan& p, int64_t total_rows) {
+  return static_cast<int32_t>(ceil_div(total_rows, p.rows_per_macrobatch));
+}
+
+EPFLOW_HD int64_t macrobatch_begin(const RingPlan& p, int32_t m) {
+  return int64_t{m} * p.rows_per_macrobatch;
+}
+
+EPFLOW_HD int64_t macrobatch_end(const RingPlan& p, int64_t total_rows, int32_t m) {
+  const int64_t end = macrobatch_begin(p, m) + p.rows_per_macrobatch;
+  return end < total_rows ? end : total_rows;
+}
+
+// Ring slot that table row `row` occupies while its macrobatch is live.
+EPFLOW_HD int64_t ring_slot(const RingPlan& p, int64_t row) { return row % p.rows_per_macrobatch; }
+
+}  // namespace epflow::sched

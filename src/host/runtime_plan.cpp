@@ -1,0 +1,62 @@
+#include "host/runtime_plan.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "common/routing_schedule.h"
+
+namespace epflow::runtime {
+
+namespace {
+
+template <typename... Parts>
+Status invalid(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  return Status(StatusCode::kInvalidArgument, os.str());
+}
+
+}  // namespace
+
+int64_t two_wave_minibatch_rows(const LayerConfig& c, const TileShape& tile, int32_t compute_sms) {
+  const int64_t narrow_n = std::min(2 * c.intermediate, c.hidden);
+  const int64_t rows = sched::ceil_div(int64_t{2} * compute_sms * tile.m * tile.n, narrow_n);
+  return sched::round_up(rows, tile.m);
+}
+
+Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
+  if (Status s = validate(c); !s.ok()) return s;
+  LayerPlan p;
+  p.sm_count = sm_count;
+  p.comm_sms = c.comm_sms > 0 ? c.comm_sms : std::min(kDefaultCommSms, sm_count / 4);
+  if (p.comm_sms < 1 || p.comm_sms >= sm_count)
+    return invalid("comm_sms (", p.comm_sms, ") must leave at least one of the device's ",
+                   sm_count, " SMs for compute");
+  p.compute_sms = sm_count - p.comm_sms;
+
+  if (c.minibatch_rows > 0 && c.minibatch_rows % p.tile.m != 0)
+    return invalid("minibatch_rows (", c.minibatch_rows, ") must be a multiple of the GEMM tile "
+                   "height (", p.tile.m, ")");
+  p.minibatch_rows =
+      c.minibatch_rows > 0 ? c.minibatch_rows : two_wave_minibatch_rows(c, p.tile, p.compute_sms);
+
+  sched::ScheduleShape shape{c.ep_size, c.ep_rank, c.experts_per_rank(), c.top_k, p.tile.m};
+  p.max_routed_rows = sched::pull_table_capacity(shape, c.max_tokens_per_rank);
+
+  if (c.ring_rows > 0) {
+    if (c.ring_rows < p.minibatch_rows)
+      return invalid("ring_rows (", c.ring_rows, ") must hold at least one minibatch (",
+                     p.minibatch_rows, " rows)");
+    p.ring_rows = c.ring_rows / p.minibatch_rows * p.minibatch_rows;
+  } else {
+    // Modest by default; never larger than the most rows a call can route here.
+    const int64_t cap = sched::round_up(p.max_routed_rows, p.minibatch_rows);
+    p.ring_rows = std::min<int64_t>(kDefaultRingMinibatches * p.minibatch_rows, cap);
+  }
+  // Per ring row: the routed x row (H), its SwiGLU output (I) and its expert output (H), bf16.
+  p.ring_bytes = p.ring_rows * (2 * c.hidden + c.intermediate) * 2;
+  *plan = p;
+  return Status::ok_status();
+}
+
+}  // namespace epflow::runtime

@@ -1,0 +1,41 @@
+// Device routing schedule: builds this rank's pull table on the GPU from every source rank's
+// topk_idx, by running the portable passes of common/routing_schedule.h (so it is, by
+// construction, the table the host tests prove). Stream-ordered, no host sync: the token counts
+// of the sources are read from device memory, the grid is sized for the maximum.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/routing_schedule.h"
+
+namespace epflow::kernels {
+
+// Device buffers of the schedule (see routing_schedule_workspace_bytes for their sizes).
+struct ScheduleBuffers {
+  int32_t* chunk_counts = nullptr;   // [world][max_chunks][E_local], becomes per-chunk ordinals
+  int32_t* counts = nullptr;         // [E_local * world]
+  int64_t* seg_offset = nullptr;     // [E_local + 1]; seg_offset[E_local] = total padded rows
+  sched::PullRow* table = nullptr;   // [pull_table_capacity]
+  int32_t* invalid_slots = nullptr;  // [1], accumulated: slots with out-of-range expert ids
+};
+
+struct ScheduleLaunch {
+  sched::ScheduleShape shape;
+  int64_t max_tokens_per_rank = 0;
+  int64_t chunk_slots = 256;
+};
+
+// Carves ScheduleBuffers out of one allocation of routing_schedule_workspace_bytes() bytes.
+size_t routing_schedule_workspace_bytes(const ScheduleLaunch& launch);
+ScheduleBuffers carve_schedule_buffers(const ScheduleLaunch& launch, void* workspace);
+
+// topk_idx: device array of `world` device pointers (peer windows in the layer);
+// tokens: device array of `world` token counts. Rows past seg_offset[E_local] are left as they are.
+cudaError_t launch_routing_schedule(const ScheduleLaunch& launch,
+                                    const int32_t* const* topk_idx, const int64_t* tokens,
+                                    const ScheduleBuffers& buffers, cudaStream_t stream);
+
+}  // namespace epflow::kernels

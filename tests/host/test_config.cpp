@@ -1,0 +1,162 @@
+// Bad configurations and call arguments are rejected before anything runs, with messages that
+// name the offending field and value.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "epflow/epflow.h"
+
+namespace epflow {
+namespace {
+
+LayerConfig deepseek_v3_ep2() {
+  LayerConfig c;
+  c.hidden = 7168;
+  c.intermediate = 2048;
+  c.num_experts = 64;  // 32 per rank: the per-rank count of an 8-way split of 256
+  c.top_k = 8;
+  c.ep_size = 2;
+  c.ep_rank = 1;
+  c.max_tokens_per_rank = 8192;
+  return c;
+}
+
+void expect_invalid(const Status& s, const std::string& needle) {
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find(needle), std::string::npos)
+      << "message '" << s.message() << "' should mention '" << needle << "'";
+}
+
+TEST(ConfigValidate, AcceptsModelPresets) {
+  EXPECT_TRUE(validate(deepseek_v3_ep2()).ok());
+  LayerConfig c = deepseek_v3_ep2();
+  c.hidden = 2880;  // gpt-oss-120b: 45 x 64
+  c.intermediate = 2880;
+  EXPECT_TRUE(validate(c).ok()) << validate(c).to_string();
+}
+
+TEST(ConfigValidate, RejectsTopKLargerThanExpertCount) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.num_experts = 4;
+  c.ep_size = 1;
+  c.ep_rank = 0;
+  c.top_k = 6;
+  expect_invalid(validate(c), "top_k (6) exceeds num_experts (4)");
+}
+
+TEST(ConfigValidate, RejectsTopKOutOfRange) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.top_k = 0;
+  expect_invalid(validate(c), "top_k (0)");
+  c.top_k = Limits::kMaxTopK + 1;
+  expect_invalid(validate(c), "top_k (17)");
+}
+
+TEST(ConfigValidate, RejectsExpertsNotDivisibleByEpSize) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.num_experts = 63;
+  expect_invalid(validate(c), "not divisible by ep_size (2)");
+}
+
+TEST(ConfigValidate, RejectsHiddenAndIntermediateNotKernelMultiples) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.hidden = 7168 + 32;
+  expect_invalid(validate(c), "hidden (7200)");
+  c = deepseek_v3_ep2();
+  c.intermediate = 2000;
+  expect_invalid(validate(c), "intermediate (2000)");
+  c.intermediate = 0;
+  expect_invalid(validate(c), "intermediate (0)");
+}
+
+TEST(ConfigValidate, RejectsBadRanksAndKnobs) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.ep_rank = 2;
+  expect_invalid(validate(c), "ep_rank (2)");
+  c = deepseek_v3_ep2();
+  c.ep_size = 0;
+  expect_invalid(validate(c), "ep_size (0)");
+  c = deepseek_v3_ep2();
+  c.max_tokens_per_rank = 0;
+  expect_invalid(validate(c), "max_tokens_per_rank (0)");
+  c = deepseek_v3_ep2();
+  c.ring_rows = -1;
+  expect_invalid(validate(c), "ring_rows (-1)");
+  c = deepseek_v3_ep2();
+  c.num_experts = 2 * (Limits::kMaxExpertsPerRank + 1);
+  expect_invalid(validate(c), "experts per rank (1025)");
+}
+
+TEST(ForwardArgsValidate, RejectsTokensAboveMaximum) {
+  const LayerConfig c = deepseek_v3_ep2();
+  ForwardArgs a;
+  auto* fake = reinterpret_cast<__nv_bfloat16*>(0x1000);  // never dereferenced by validate
+  a.x = fake;
+  a.y = fake;
+  a.topk_idx = reinterpret_cast<const int32_t*>(0x1000);
+  a.topk_weights = reinterpret_cast<const float*>(0x1000);
+  a.weights = {fake, fake, fake};
+  a.num_tokens = 8192;
+  EXPECT_TRUE(validate(c, a).ok());
+  a.num_tokens = 8193;
+  expect_invalid(validate(c, a), "num_tokens (8193)");
+  a.num_tokens = -1;
+  expect_invalid(validate(c, a), "num_tokens (-1)");
+}
+
+TEST(ForwardArgsValidate, RejectsMissingPointersButAllowsZeroTokens) {
+  const LayerConfig c = deepseek_v3_ep2();
+  ForwardArgs a;
+  auto* fake = reinterpret_cast<__nv_bfloat16*>(0x1000);
+  a.weights = {fake, fake, fake};
+  a.num_tokens = 0;  // T = 0 on this rank: no token buffers needed, experts still serve peers
+  EXPECT_TRUE(validate(c, a).ok());
+  a.num_tokens = 5;
+  expect_invalid(validate(c, a), "x is null");
+  a.num_tokens = 0;
+  a.weights.down = nullptr;
+  expect_invalid(validate(c, a), "expert weights");
+}
+
+TEST(BackwardArgsValidate, RejectsUnfilledContext) {
+  const LayerConfig c = deepseek_v3_ep2();
+  expect_invalid(validate(c, SavedContext{}, BackwardArgs{}), "never filled");
+}
+
+TEST(NcclVersion, HeadersMatchLoadedLibrary) {
+  const Status s = check_nccl_version();
+  EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST(LayerCreate, RejectsBadConfigBeforeTouchingTheDevice) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.top_k = 0;
+  std::unique_ptr<Layer> layer;
+  expect_invalid(Layer::create(c, nullptr, &layer), "top_k");
+  EXPECT_EQ(layer, nullptr);
+}
+
+TEST(LayerCreate, ReportsMissingDeviceOrCommunicator) {
+  std::unique_ptr<Layer> layer;
+  const Status s = Layer::create(deepseek_v3_ep2(), nullptr, &layer);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    EXPECT_EQ(s.code(), StatusCode::kNoDevice) << s.to_string();
+  } else {
+    expect_invalid(s, "communicator is null");
+  }
+  EXPECT_EQ(layer, nullptr);
+}
+
+TEST(LayerCreate, LowPrecisionModesSayNotImplemented) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.dtype = DType::kMXFP8;
+  std::unique_ptr<Layer> layer;
+  const Status s = Layer::create(c, nullptr, &layer);
+  EXPECT_EQ(s.code(), StatusCode::kNotImplemented) << s.to_string();
+  EXPECT_NE(s.message().find("mxfp8"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace epflow
