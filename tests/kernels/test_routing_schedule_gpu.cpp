@@ -18,6 +18,7 @@ struct Case {
   std::vector<int64_t> tokens;
   synthetic::Routing routing;
   int64_t chunk_slots;
+  bool inject_invalid_ids = false;  // out-of-range ids must be counted and skipped, not indexed
 };
 
 void run_case(const Case& c, uint64_t seed) {
@@ -33,7 +34,11 @@ void run_case(const Case& c, uint64_t seed) {
   spec.tokens_per_rank = c.tokens;
   spec.routing = c.routing;
   spec.seed = seed;
-  const auto inputs = synthetic::make_inputs(cfg, spec);
+  auto inputs = synthetic::make_inputs(cfg, spec);
+  if (c.inject_invalid_ids)
+    for (auto& in : inputs)
+      for (size_t i = 0; i < in.topk_idx.size(); i += 7)
+        in.topk_idx[i] = (i % 2) ? cfg.num_experts + static_cast<int32_t>(i % 5) : -2 - 3;
 
   // All sources' topk_idx in one device buffer; per-source pointers as the layer's peer windows.
   std::vector<int64_t> offsets(c.world + 1, 0);
@@ -112,6 +117,7 @@ TEST(RoutingScheduleGpu, MatchesHostOnRandomAndAdversarialRoutings) {
       {8, 4, 1, 256, {512, 512, 512, 512, 512, 512, 512, 512}, R::kSingleExpert, 100},
       {8, 128, 16, 128, {50, 60, 70, 80, 90, 100, 110, 120}, R::kUniform, 33},
       {2, 16, 6, 1, {0, 0}, R::kUniform, 256},
+      {4, 8, 4, 128, {90, 300, 17, 0}, R::kUniform, 16, true},
   };
   uint64_t seed = 11;
   for (const auto& c : cases) {
