@@ -1,6 +1,6 @@
 // CPU reference of the EPFlow MoE layer, forward and backward, over several simulated EP ranks.
 // The math of docs/ARCHITECTURE.md §Math with fp32 storage and double accumulation. It is the
-// ground truth every GPU kernel is checked against, so it stays plain: no tiling, no reordering.
+// ground truth every GPU kernel is checked against, so it stays plain: every sum in index order.
 #pragma once
 
 #include <cstdint>

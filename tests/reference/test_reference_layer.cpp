@@ -320,6 +320,19 @@ TEST(ReferenceLayer, ForwardTokenMatchesForward) {
           << "rank " << r << " token " << t;
     }
   }
+
+  // forward_token has no Status to return: it throws rather than read out of bounds.
+  std::vector<float> row(config.hidden);
+  const std::vector<int32_t> bad_idx = {1, 8, 2};
+  EXPECT_THROW(reference::forward_token(config, experts, inputs[0].x.data(), bad_idx.data(),
+                                        inputs[0].topk_weights.data(), row.data()),
+               std::out_of_range);
+  std::vector<RankExperts> short_experts = experts;
+  short_experts[1].up.pop_back();
+  EXPECT_THROW(reference::forward_token(config, short_experts, inputs[0].x.data(),
+                                        inputs[0].topk_idx.data(), inputs[0].topk_weights.data(),
+                                        row.data()),
+               std::invalid_argument);
 }
 
 // Tokens are independent: permuting one rank's tokens (and their dy) permutes that rank's y, dx
