@@ -1,14 +1,19 @@
+#include "epflow/config.h"
+
 #include <sstream>
 
-#include "epflow/config.h"
+#include "host/status_util.h"
 
 namespace epflow {
 
 const char* to_string(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "bf16";
-    case DType::kFP8Blockwise: return "fp8-blockwise";
-    case DType::kMXFP8: return "mxfp8";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kFP8Blockwise:
+      return "fp8-blockwise";
+    case DType::kMXFP8:
+      return "mxfp8";
   }
   return "unknown";
 }
@@ -21,51 +26,42 @@ std::string LayerConfig::to_string() const {
   return os.str();
 }
 
-namespace {
-
-template <typename... Parts>
-Status invalid(const Parts&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  return Status(StatusCode::kInvalidArgument, os.str());
-}
-
-}  // namespace
-
 Status validate(const LayerConfig& c) {
   if (c.hidden <= 0 || c.hidden % Limits::kHiddenMultiple != 0)
-    return invalid("hidden (", c.hidden, ") must be a positive multiple of ",
-                   Limits::kHiddenMultiple, " (TMA box / wgmma K step)");
+    return invalid_argument("hidden (", c.hidden, ") must be a positive multiple of ",
+                            Limits::kHiddenMultiple, " (TMA box / wgmma K step)");
   if (c.intermediate <= 0 || c.intermediate % Limits::kIntermediateMultiple != 0)
-    return invalid("intermediate (", c.intermediate, ") must be a positive multiple of ",
-                   Limits::kIntermediateMultiple, " (K step of the down GEMM)");
+    return invalid_argument("intermediate (", c.intermediate, ") must be a positive multiple of ",
+                            Limits::kIntermediateMultiple, " (K step of the down GEMM)");
   if (c.ep_size < 1 || c.ep_size > Limits::kMaxEpSize)
-    return invalid("ep_size (", c.ep_size, ") must be in [1, ", Limits::kMaxEpSize, "]");
+    return invalid_argument("ep_size (", c.ep_size, ") must be in [1, ", Limits::kMaxEpSize, "]");
   if (c.ep_rank < 0 || c.ep_rank >= c.ep_size)
-    return invalid("ep_rank (", c.ep_rank, ") must be in [0, ep_size=", c.ep_size, ")");
+    return invalid_argument("ep_rank (", c.ep_rank, ") must be in [0, ep_size=", c.ep_size, ")");
   if (c.num_experts < 1)
-    return invalid("num_experts (", c.num_experts, ") must be at least 1");
+    return invalid_argument("num_experts (", c.num_experts, ") must be at least 1");
   if (c.num_experts % c.ep_size != 0)
-    return invalid("num_experts (", c.num_experts, ") is not divisible by ep_size (", c.ep_size,
-                   "): every rank must own the same number of experts");
+    return invalid_argument("num_experts (", c.num_experts, ") is not divisible by ep_size (",
+                            c.ep_size, "): every rank must own the same number of experts");
   if (c.experts_per_rank() > Limits::kMaxExpertsPerRank)
-    return invalid("experts per rank (", c.experts_per_rank(), ") exceeds ",
-                   Limits::kMaxExpertsPerRank);
+    return invalid_argument("experts per rank (", c.experts_per_rank(), ") exceeds ",
+                            Limits::kMaxExpertsPerRank);
   if (c.top_k < 1 || c.top_k > Limits::kMaxTopK)
-    return invalid("top_k (", c.top_k, ") must be in [1, ", Limits::kMaxTopK, "]");
+    return invalid_argument("top_k (", c.top_k, ") must be in [1, ", Limits::kMaxTopK, "]");
   if (c.top_k > c.num_experts)
-    return invalid("top_k (", c.top_k, ") exceeds num_experts (", c.num_experts, ")");
+    return invalid_argument("top_k (", c.top_k, ") exceeds num_experts (", c.num_experts, ")");
   if (c.max_tokens_per_rank < 1)
-    return invalid("max_tokens_per_rank (", c.max_tokens_per_rank, ") must be at least 1");
+    return invalid_argument("max_tokens_per_rank (", c.max_tokens_per_rank, ") must be at least 1");
   if (c.max_tokens_per_rank * c.top_k > Limits::kMaxSlotsPerRank)
-    return invalid("max_tokens_per_rank * top_k (", c.max_tokens_per_rank * c.top_k,
-                   ") exceeds ", Limits::kMaxSlotsPerRank, " slots per rank");
-  if (c.comm_sms < 0) return invalid("comm_sms (", c.comm_sms, ") must be >= 0 (0 = auto)");
+    return invalid_argument("max_tokens_per_rank * top_k (", c.max_tokens_per_rank * c.top_k,
+                            ") exceeds ", Limits::kMaxSlotsPerRank, " slots per rank");
+  if (c.comm_sms < 0)
+    return invalid_argument("comm_sms (", c.comm_sms, ") must be >= 0 (0 = auto)");
   if (c.minibatch_rows < 0)
-    return invalid("minibatch_rows (", c.minibatch_rows, ") must be >= 0 (0 = auto)");
-  if (c.ring_rows < 0) return invalid("ring_rows (", c.ring_rows, ") must be >= 0 (0 = auto)");
+    return invalid_argument("minibatch_rows (", c.minibatch_rows, ") must be >= 0 (0 = auto)");
+  if (c.ring_rows < 0)
+    return invalid_argument("ring_rows (", c.ring_rows, ") must be >= 0 (0 = auto)");
   if (!(c.timeout_seconds > 0.0))
-    return invalid("timeout_seconds (", c.timeout_seconds, ") must be positive");
+    return invalid_argument("timeout_seconds (", c.timeout_seconds, ") must be positive");
   return Status::ok_status();
 }
 

@@ -2,24 +2,11 @@
 
 #include <cuda_runtime.h>
 
-#include <sstream>
+#include "host/status_util.h"
 
 namespace epflow {
 
 namespace {
-
-template <typename... Parts>
-Status error(StatusCode code, const Parts&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  return Status(code, os.str());
-}
-
-#define EPFLOW_RETURN_IF_ERROR(expr)  \
-  do {                                \
-    Status status_ = (expr);          \
-    if (!status_.ok()) return status_; \
-  } while (0)
 
 Status require(bool ok, const char* what) {
   return ok ? Status::ok_status() : Status(StatusCode::kInvalidArgument, what);
@@ -30,20 +17,21 @@ Status require(bool ok, const char* what) {
 Status check_nccl_version() {
   int loaded = 0;
   if (ncclGetVersion(&loaded) != ncclSuccess)
-    return error(StatusCode::kNcclError, "ncclGetVersion failed");
+    return error_status(StatusCode::kNcclError, "ncclGetVersion failed");
   if (loaded != NCCL_VERSION_CODE)
-    return error(StatusCode::kNcclError, "EPFlow was built with NCCL headers ", NCCL_VERSION_CODE,
-                 " but the loaded libnccl is ", loaded,
-                 ": the device communicator layout differs between releases. Rebuild with "
-                 "-DEPFLOW_NCCL_ROOT pointing at the NCCL you load (or fix LD_LIBRARY_PATH).");
+    return error_status(
+        StatusCode::kNcclError, "EPFlow was built with NCCL headers ", NCCL_VERSION_CODE,
+        " but the loaded libnccl is ", loaded,
+        ": the device communicator layout differs between releases. Rebuild with "
+        "-DEPFLOW_NCCL_ROOT pointing at the NCCL you load (or fix LD_LIBRARY_PATH).");
   return Status::ok_status();
 }
 
 Status validate(const LayerConfig& c, const ForwardArgs& a) {
   EPFLOW_RETURN_IF_ERROR(validate(c));
   if (a.num_tokens < 0 || a.num_tokens > c.max_tokens_per_rank)
-    return error(StatusCode::kInvalidArgument, "num_tokens (", a.num_tokens,
-                 ") must be in [0, max_tokens_per_rank=", c.max_tokens_per_rank, "]");
+    return error_status(StatusCode::kInvalidArgument, "num_tokens (", a.num_tokens,
+                        ") must be in [0, max_tokens_per_rank=", c.max_tokens_per_rank, "]");
   if (a.num_tokens > 0) {
     EPFLOW_RETURN_IF_ERROR(require(a.x != nullptr, "x is null"));
     EPFLOW_RETURN_IF_ERROR(require(a.topk_idx != nullptr, "topk_idx is null"));
@@ -81,35 +69,37 @@ Status Layer::create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr
   EPFLOW_RETURN_IF_ERROR(require(out != nullptr, "output pointer is null"));
   EPFLOW_RETURN_IF_ERROR(validate(config));
   if (config.dtype != DType::kBF16)
-    return error(StatusCode::kNotImplemented, "dtype ", to_string(config.dtype),
-                 " is not implemented yet: only bf16");
+    return error_status(StatusCode::kNotImplemented, "dtype ", to_string(config.dtype),
+                        " is not implemented yet: only bf16");
   EPFLOW_RETURN_IF_ERROR(check_nccl_version());
   int devices = 0;
   const cudaError_t err = cudaGetDeviceCount(&devices);
   if (err != cudaSuccess || devices == 0)
-    return error(StatusCode::kNoDevice, "no CUDA device found (",
-                 err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")");
+    return error_status(StatusCode::kNoDevice, "no CUDA device found (",
+                        err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")");
   EPFLOW_RETURN_IF_ERROR(require(comm != nullptr, "communicator is null"));
   int comm_size = 0, comm_rank = 0;
   if (ncclCommCount(comm, &comm_size) != ncclSuccess ||
       ncclCommUserRank(comm, &comm_rank) != ncclSuccess)
-    return error(StatusCode::kNcclError, "could not query the communicator's size and rank");
+    return error_status(StatusCode::kNcclError, "could not query the communicator's size and rank");
   if (comm_size != config.ep_size || comm_rank != config.ep_rank)
-    return error(StatusCode::kInvalidArgument, "communicator is rank ", comm_rank, " of ",
-                 comm_size, " but config says ep_rank ", config.ep_rank, " of ep_size ",
-                 config.ep_size);
-  return error(StatusCode::kNotImplemented,
-               "the GPU layer is not implemented yet (issue [B]); use the CPU reference");
+    return error_status(StatusCode::kInvalidArgument, "communicator is rank ", comm_rank, " of ",
+                        comm_size, " but config says ep_rank ", config.ep_rank, " of ep_size ",
+                        config.ep_size);
+  return error_status(StatusCode::kNotImplemented,
+                      "the GPU layer is not implemented yet (issue [B]); use the CPU reference");
 }
 
 Status Layer::forward(const ForwardArgs& args, cudaStream_t, SavedContext*) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, args));
-  return error(StatusCode::kNotImplemented, "GPU forward is not implemented yet (issue [B])");
+  return error_status(StatusCode::kNotImplemented,
+                      "GPU forward is not implemented yet (issue [B])");
 }
 
 Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, saved, args));
-  return error(StatusCode::kNotImplemented, "GPU backward is not implemented yet (issue [F])");
+  return error_status(StatusCode::kNotImplemented,
+                      "GPU backward is not implemented yet (issue [F])");
 }
 
 const LayerConfig& Layer::config() const { return impl_->config; }

@@ -1,22 +1,11 @@
 #include "host/runtime_plan.h"
 
 #include <algorithm>
-#include <sstream>
 
 #include "common/routing_schedule.h"
+#include "host/status_util.h"
 
 namespace epflow::runtime {
-
-namespace {
-
-template <typename... Parts>
-Status invalid(const Parts&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  return Status(StatusCode::kInvalidArgument, os.str());
-}
-
-}  // namespace
 
 int64_t two_wave_minibatch_rows(const LayerConfig& c, const TileShape& tile, int32_t compute_sms) {
   const int64_t narrow_n = std::min(2 * c.intermediate, c.hidden);
@@ -30,13 +19,15 @@ Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   p.sm_count = sm_count;
   p.comm_sms = c.comm_sms > 0 ? c.comm_sms : std::min(kDefaultCommSms, sm_count / 4);
   if (p.comm_sms < 1 || p.comm_sms >= sm_count)
-    return invalid("comm_sms (", p.comm_sms, ") must leave at least one of the device's ",
-                   sm_count, " SMs for compute");
+    return invalid_argument("comm_sms (", p.comm_sms, ") must leave at least one of the device's ",
+                            sm_count, " SMs for compute");
   p.compute_sms = sm_count - p.comm_sms;
 
   if (c.minibatch_rows > 0 && c.minibatch_rows % p.tile.m != 0)
-    return invalid("minibatch_rows (", c.minibatch_rows, ") must be a multiple of the GEMM tile "
-                   "height (", p.tile.m, ")");
+    return invalid_argument("minibatch_rows (", c.minibatch_rows,
+                            ") must be a multiple of the GEMM tile "
+                            "height (",
+                            p.tile.m, ")");
   p.minibatch_rows =
       c.minibatch_rows > 0 ? c.minibatch_rows : two_wave_minibatch_rows(c, p.tile, p.compute_sms);
 
@@ -45,8 +36,8 @@ Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
 
   if (c.ring_rows > 0) {
     if (c.ring_rows < p.minibatch_rows)
-      return invalid("ring_rows (", c.ring_rows, ") must hold at least one minibatch (",
-                     p.minibatch_rows, " rows)");
+      return invalid_argument("ring_rows (", c.ring_rows, ") must hold at least one minibatch (",
+                              p.minibatch_rows, " rows)");
     p.ring_rows = c.ring_rows / p.minibatch_rows * p.minibatch_rows;
   } else {
     // Modest by default; never larger than the most rows a call can route here.

@@ -20,12 +20,12 @@ struct TileShape {
 struct LayerPlan {
   TileShape tile;
   int32_t sm_count = 0;
-  int32_t comm_sms = 0;           // communication partition of the megakernel
+  int32_t comm_sms = 0;  // communication partition of the megakernel
   int32_t compute_sms = 0;
-  int64_t minibatch_rows = 0;     // multiple of tile.m
-  int64_t ring_rows = 0;          // multiple of minibatch_rows
-  int64_t max_routed_rows = 0;    // pull-table capacity: every slot of every rank, plus padding
-  int64_t ring_bytes = 0;         // routed x rows + SwiGLU intermediates + expert outputs (bf16)
+  int64_t minibatch_rows = 0;   // multiple of tile.m
+  int64_t ring_rows = 0;        // multiple of minibatch_rows
+  int64_t max_routed_rows = 0;  // pull-table capacity: every slot of every rank, plus padding
+  int64_t ring_bytes = 0;       // routed x rows + SwiGLU intermediates + expert outputs (bf16)
 };
 
 // Default communication SMs. NOTES: MoK tuned 24 of 148 SMs for BF16 forward; TMA bulk copies

@@ -2,24 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
+#include "host/status_util.h"
+
 namespace epflow::reference {
 namespace {
-
-template <typename... Parts>
-std::string concat(const Parts&... parts) {
-  std::ostringstream os;
-  (os << ... << parts);
-  return os.str();
-}
-
-template <typename... Parts>
-Status invalid(const Parts&... parts) {
-  return Status(StatusCode::kInvalidArgument, concat(parts...));
-}
 
 // exp() only ever sees a non-positive argument, so it cannot overflow for large |g|.
 double sigmoid(double g) {
@@ -114,7 +103,8 @@ void token_forward(const LayerConfig& config, const std::vector<RankExperts>& ex
 Status check_size(int64_t actual, int64_t expected, const std::string& what,
                   const std::string& expected_formula) {
   if (actual == expected) return Status::ok_status();
-  return invalid(what, " has ", actual, " elements, expected ", expected_formula, " = ", expected);
+  return invalid_argument(what, " has ", actual, " elements, expected ", expected_formula, " = ",
+                          expected);
 }
 
 }  // namespace
@@ -124,9 +114,11 @@ Status check_inputs(const LayerConfig& config, const std::vector<RankInput>& inp
   if (Status status = validate(config); !status.ok()) return status;
   const int64_t ep_size = config.ep_size;
   if (static_cast<int64_t>(inputs.size()) != ep_size)
-    return invalid("inputs has ", inputs.size(), " ranks, expected ep_size (", ep_size, ")");
+    return invalid_argument("inputs has ", inputs.size(), " ranks, expected ep_size (", ep_size,
+                            ")");
   if (static_cast<int64_t>(experts.size()) != ep_size)
-    return invalid("experts has ", experts.size(), " ranks, expected ep_size (", ep_size, ")");
+    return invalid_argument("experts has ", experts.size(), " ranks, expected ep_size (", ep_size,
+                            ")");
 
   const int64_t hidden = config.hidden;
   const int64_t intermediate = config.intermediate;
@@ -136,8 +128,9 @@ Status check_inputs(const LayerConfig& config, const std::vector<RankInput>& inp
     const RankInput& in = inputs[r];
     const std::string rank = concat("rank ", r, ": ");
     if (in.num_tokens < 0 || in.num_tokens > config.max_tokens_per_rank) {
-      return invalid(rank, "num_tokens (", in.num_tokens, ") must be in [0, max_tokens_per_rank=",
-                     config.max_tokens_per_rank, "]");
+      return invalid_argument(rank, "num_tokens (", in.num_tokens,
+                              ") must be in [0, max_tokens_per_rank=", config.max_tokens_per_rank,
+                              "]");
     }
     const std::string tokens_by = concat("num_tokens (", in.num_tokens, ") * ");
     Status status = check_size(in.x.size(), in.num_tokens * hidden, rank + "x",
@@ -153,20 +146,20 @@ Status check_inputs(const LayerConfig& config, const std::vector<RankInput>& inp
     if (!status.ok()) return status;
   }
   const int64_t expert_weights_size = experts_per_rank * intermediate * hidden;
-  const std::string weights_formula = concat("experts_per_rank (", experts_per_rank,
-                                             ") * intermediate (", intermediate, ") * hidden (",
-                                             hidden, ")");
+  const std::string weights_formula =
+      concat("experts_per_rank (", experts_per_rank, ") * intermediate (", intermediate,
+             ") * hidden (", hidden, ")");
   for (int64_t r = 0; r < ep_size; ++r) {
     const RankExperts& ex = experts[r];
     const std::string rank = concat("rank ", r, ": ");
-    Status status = check_size(ex.gate.size(), expert_weights_size, rank + "experts.gate",
-                               weights_formula);
+    Status status =
+        check_size(ex.gate.size(), expert_weights_size, rank + "experts.gate", weights_formula);
     if (status.ok()) {
       status = check_size(ex.up.size(), expert_weights_size, rank + "experts.up", weights_formula);
     }
     if (status.ok()) {
-      status = check_size(ex.down.size(), expert_weights_size, rank + "experts.down",
-                          weights_formula);
+      status =
+          check_size(ex.down.size(), expert_weights_size, rank + "experts.down", weights_formula);
     }
     if (!status.ok()) return status;
   }
@@ -176,8 +169,8 @@ Status check_inputs(const LayerConfig& config, const std::vector<RankInput>& inp
       for (int64_t k = 0; k < top_k; ++k) {
         const int32_t expert = in.topk_idx[t * top_k + k];
         if (expert < -1 || expert >= config.num_experts) {
-          return invalid("rank ", r, " token ", t, " k ", k, ": expert id ", expert,
-                         " is outside [-1, num_experts=", config.num_experts, ")");
+          return invalid_argument("rank ", r, " token ", t, " k ", k, ": expert id ", expert,
+                                  " is outside [-1, num_experts=", config.num_experts, ")");
         }
       }
     }
@@ -188,7 +181,7 @@ Status check_inputs(const LayerConfig& config, const std::vector<RankInput>& inp
 Status forward(const LayerConfig& config, const std::vector<RankInput>& inputs,
                const std::vector<RankExperts>& experts, std::vector<std::vector<float>>* y) {
   if (Status status = check_inputs(config, inputs, experts); !status.ok()) return status;
-  if (y == nullptr) return invalid("y is null");
+  if (y == nullptr) return invalid_argument("y is null");
   const int64_t hidden = config.hidden;
   const int64_t top_k = config.top_k;
   y->assign(config.ep_size, {});
@@ -217,21 +210,20 @@ void forward_token(const LayerConfig& config, const std::vector<RankExperts>& ex
 }
 
 Status backward(const LayerConfig& config, const std::vector<RankInput>& inputs,
-                const std::vector<RankExperts>& experts,
-                const std::vector<std::vector<float>>& dy, std::vector<RankGrads>* grads) {
+                const std::vector<RankExperts>& experts, const std::vector<std::vector<float>>& dy,
+                std::vector<RankGrads>* grads) {
   if (Status status = check_inputs(config, inputs, experts); !status.ok()) return status;
-  if (grads == nullptr) return invalid("grads is null");
+  if (grads == nullptr) return invalid_argument("grads is null");
   const int64_t ep_size = config.ep_size;
   const int64_t hidden = config.hidden;
   const int64_t intermediate = config.intermediate;
   const int64_t top_k = config.top_k;
   if (static_cast<int64_t>(dy.size()) != ep_size)
-    return invalid("dy has ", dy.size(), " ranks, expected ep_size (", ep_size, ")");
+    return invalid_argument("dy has ", dy.size(), " ranks, expected ep_size (", ep_size, ")");
   for (int64_t r = 0; r < ep_size; ++r) {
-    Status status = check_size(dy[r].size(), inputs[r].num_tokens * hidden,
-                               concat("rank ", r, ": dy"),
-                               concat("num_tokens (", inputs[r].num_tokens, ") * hidden (",
-                                      hidden, ")"));
+    Status status =
+        check_size(dy[r].size(), inputs[r].num_tokens * hidden, concat("rank ", r, ": dy"),
+                   concat("num_tokens (", inputs[r].num_tokens, ") * hidden (", hidden, ")"));
     if (!status.ok()) return status;
   }
 
@@ -295,8 +287,8 @@ Status backward(const LayerConfig& config, const std::vector<RankInput>& inputs,
           for (int64_t j = 0; j < hidden; ++j) {
             d_gate_row[j] += dg[i] * x[j];
             d_up_row[j] += du[i] * x[j];
-            dx[j] += static_cast<double>(gate_row[j]) * dg[i] +
-                     static_cast<double>(up_row[j]) * du[i];
+            dx[j] +=
+                static_cast<double>(gate_row[j]) * dg[i] + static_cast<double>(up_row[j]) * du[i];
           }
         }
       }

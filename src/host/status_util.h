@@ -1,0 +1,34 @@
+// Building error statuses whose messages name the field and the value seen.
+#pragma once
+
+#include <sstream>
+#include <string>
+
+#include "epflow/status.h"
+
+namespace epflow {
+
+template <typename... Parts>
+std::string concat(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  return os.str();
+}
+
+template <typename... Parts>
+Status error_status(StatusCode code, const Parts&... parts) {
+  return Status(code, concat(parts...));
+}
+
+template <typename... Parts>
+Status invalid_argument(const Parts&... parts) {
+  return Status(StatusCode::kInvalidArgument, concat(parts...));
+}
+
+#define EPFLOW_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::epflow::Status epflow_status_ = (expr);        \
+    if (!epflow_status_.ok()) return epflow_status_; \
+  } while (0)
+
+}  // namespace epflow
