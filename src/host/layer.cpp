@@ -2,7 +2,16 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
+#include "common/routing_schedule.h"
+#include "host/layer_internals.h"
+#include "host/runtime_plan.h"
 #include "host/status_util.h"
+#include "kernels/comm/lsa_shim.cuh"
+#include "kernels/expert_ffn.cuh"
+#include "kernels/layer_kernels.cuh"
+#include "kernels/routing_schedule.cuh"
 
 namespace epflow {
 
@@ -58,9 +67,204 @@ Status validate(const LayerConfig& c, const SavedContext& saved, const BackwardA
   return Status::ok_status();
 }
 
+#define EPFLOW_CUDA_RETURN(expr)                                                        \
+  do {                                                                                  \
+    const cudaError_t e_ = (expr);                                                      \
+    if (e_ != cudaSuccess)                                                              \
+      return error_status(StatusCode::kCudaError, #expr, ": ", cudaGetErrorString(e_)); \
+  } while (0)
+
+// The unfused forward of issue [B]: symmetric window, device schedule, pull dispatch, expert FFN,
+// push combine, weighted sum; stream-ordered, no host synchronisation (docs/ARCHITECTURE.md).
 struct Layer::Impl {
   LayerConfig config;
+  ncclComm_t comm = nullptr;
+  int32_t sm_count = 0;
+  runtime::LayerPlan plan;
+
+  comm::LsaWindow window;
+  kernels::WindowLayout layout;
+  kernels::PeerWindows peers;
+
+  // Local device memory, one allocation carved into the pieces below.
+  void* local = nullptr;
+  kernels::ScheduleLaunch schedule;
+  kernels::ScheduleBuffers schedule_buffers;
+  const int32_t** peer_topk_idx = nullptr;  // [world]: each rank's topk_idx in its window
+  int64_t* tokens = nullptr;                // [world]: each rank's T of the current call
+  uint64_t* epoch = nullptr;                // barrier epoch
+  int64_t max_rows = 0;                     // pull-table capacity (multiple of the tile)
+  __nv_bfloat16* routed_x = nullptr;        // [max_rows, H]
+  __nv_bfloat16* routed_h = nullptr;        // [max_rows, I]
+  __nv_bfloat16* routed_y = nullptr;        // [max_rows, H]
+
+  uint64_t generation = 0;
+  MemoryReport memory;
+
+  ~Impl() {
+    if (local) cudaFree(local);
+    window.destroy();
+  }
+
+  Status allocate();
+  Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
+                 const StageEvents* events);
 };
+
+Status Layer::Impl::allocate() {
+  const LayerConfig& c = config;
+  layout = kernels::WindowLayout::make(c.max_tokens_per_rank, c.hidden, c.top_k);
+  EPFLOW_RETURN_IF_ERROR(comm::LsaWindow::create(comm, layout.bytes, &window));
+  for (int32_t r = 0; r < c.ep_size; ++r) peers.base[r] = window.peer_bases()[r];
+
+  schedule.shape = sched::ScheduleShape{c.ep_size, c.ep_rank, c.experts_per_rank(), c.top_k,
+                                        kernels::kExpertFfnTileM};
+  schedule.max_tokens_per_rank = c.max_tokens_per_rank;
+  max_rows = sched::round_up(sched::pull_table_capacity(schedule.shape, c.max_tokens_per_rank),
+                             kernels::kExpertFfnTileM);
+  auto aligned = [](size_t v) { return (v + 255) / 256 * 256; };
+  const size_t schedule_bytes = aligned(kernels::routing_schedule_workspace_bytes(schedule));
+  const size_t small_bytes = aligned(sizeof(void*) * c.ep_size) +
+                             aligned(sizeof(int64_t) * c.ep_size) + aligned(sizeof(uint64_t));
+  const size_t x_bytes = aligned(sizeof(__nv_bfloat16) * max_rows * c.hidden);
+  const size_t h_bytes = aligned(sizeof(__nv_bfloat16) * max_rows * c.intermediate);
+  EPFLOW_CUDA_RETURN(cudaMalloc(&local, schedule_bytes + small_bytes + 2 * x_bytes + h_bytes));
+  char* p = static_cast<char*>(local);
+  schedule_buffers = kernels::carve_schedule_buffers(schedule, p);
+  p += schedule_bytes;
+  peer_topk_idx = reinterpret_cast<const int32_t**>(p);
+  p += aligned(sizeof(void*) * c.ep_size);
+  tokens = reinterpret_cast<int64_t*>(p);
+  p += aligned(sizeof(int64_t) * c.ep_size);
+  epoch = reinterpret_cast<uint64_t*>(p);
+  p += aligned(sizeof(uint64_t));
+  routed_x = reinterpret_cast<__nv_bfloat16*>(p);
+  p += x_bytes;
+  routed_h = reinterpret_cast<__nv_bfloat16*>(p);
+  p += h_bytes;
+  routed_y = reinterpret_cast<__nv_bfloat16*>(p);
+
+  std::vector<const int32_t*> idx(c.ep_size);
+  for (int32_t r = 0; r < c.ep_size; ++r)
+    idx[r] = reinterpret_cast<const int32_t*>(peers.base[r] + layout.topk_idx);
+  EPFLOW_CUDA_RETURN(
+      cudaMemcpy(peer_topk_idx, idx.data(), sizeof(void*) * c.ep_size, cudaMemcpyHostToDevice));
+  EPFLOW_CUDA_RETURN(cudaMemset(epoch, 0, sizeof(uint64_t)));
+  EPFLOW_CUDA_RETURN(cudaMemset(static_cast<char*>(window.local()) + layout.flags, 0,
+                                sizeof(uint64_t) * Limits::kMaxEpSize));
+  EPFLOW_CUDA_RETURN(cudaDeviceSynchronize());
+  // NOTES: no rank may signal a barrier before every rank has zeroed its flags: one collective
+  // at creation (host sync allowed here, never in forward) orders the two.
+  int32_t* one = reinterpret_cast<int32_t*>(tokens);
+  const ncclResult_t r = ncclAllReduce(one, one, 1, ncclInt32, ncclSum, comm, nullptr);
+  if (r != ncclSuccess)
+    return error_status(StatusCode::kNcclError, "creation handshake: ", ncclGetErrorString(r));
+  EPFLOW_CUDA_RETURN(cudaDeviceSynchronize());
+
+  memory.symmetric_bytes = static_cast<int64_t>(window.bytes());
+  memory.schedule_bytes = static_cast<int64_t>(schedule_bytes + small_bytes);
+  memory.ring_bytes = static_cast<int64_t>(2 * x_bytes + h_bytes);
+  return Status::ok_status();
+}
+
+Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedContext* saved,
+                            const StageEvents* events) {
+  auto mark = [&](cudaEvent_t StageEvents::*which) {
+    return events ? cudaEventRecord(events->*which, stream) : cudaSuccess;
+  };
+  const LayerConfig& c = config;
+  const int64_t T = a.num_tokens;
+  char* mine = static_cast<char*>(window.local());
+  EPFLOW_CUDA_RETURN(mark(&StageEvents::start));
+  if (T > 0) {
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.x, a.x, sizeof(__nv_bfloat16) * T * c.hidden,
+                                       cudaMemcpyDeviceToDevice, stream));
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.topk_idx, a.topk_idx,
+                                       sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                       stream));
+  }
+  kernels::BarrierArgs barrier;
+  barrier.peers = peers;
+  barrier.layout = layout;
+  barrier.rank = c.ep_rank;
+  barrier.world = c.ep_size;
+  barrier.epoch = epoch;
+  barrier.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
+  barrier.phase = kernels::BarrierPhase::kDispatch;
+  barrier.my_tokens = T;
+  barrier.tokens_out = tokens;
+  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
+
+  EPFLOW_CUDA_RETURN(cudaMemsetAsync(schedule_buffers.invalid_slots, 0, sizeof(int32_t), stream));
+  EPFLOW_CUDA_RETURN(
+      kernels::launch_routing_schedule(schedule, peer_topk_idx, tokens, schedule_buffers, stream));
+  EPFLOW_CUDA_RETURN(mark(&StageEvents::schedule_done));
+
+  const int32_t copy_blocks = 4 * sm_count;
+  kernels::DispatchArgs d;
+  d.peers = peers;
+  d.x_offset = layout.x;
+  d.table = schedule_buffers.table;
+  d.seg_offset = schedule_buffers.seg_offset;
+  d.experts = c.experts_per_rank();
+  d.hidden = c.hidden;
+  d.top_k = c.top_k;
+  d.routed_x = routed_x;
+  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, copy_blocks, stream));
+  EPFLOW_CUDA_RETURN(mark(&StageEvents::dispatch_done));
+
+  kernels::ExpertFfnArgs f;
+  f.experts = c.experts_per_rank();
+  f.hidden = c.hidden;
+  f.intermediate = c.intermediate;
+  f.max_rows = max_rows;
+  f.seg_offset = schedule_buffers.seg_offset;
+  f.x = routed_x;
+  f.w_gate = a.weights.gate;
+  f.w_up = a.weights.up;
+  f.w_down = a.weights.down;
+  f.h = routed_h;
+  f.y = routed_y;
+  EPFLOW_CUDA_RETURN(kernels::launch_expert_ffn(f, stream));
+  EPFLOW_CUDA_RETURN(mark(&StageEvents::ffn_done));
+
+  kernels::CombineArgs cb;
+  cb.peers = peers;
+  cb.combine_offset = layout.combine;
+  cb.table = schedule_buffers.table;
+  cb.seg_offset = schedule_buffers.seg_offset;
+  cb.experts = c.experts_per_rank();
+  cb.hidden = c.hidden;
+  cb.routed_y = routed_y;
+  EPFLOW_CUDA_RETURN(kernels::launch_push_combine(cb, copy_blocks, stream));
+
+  barrier.phase = kernels::BarrierPhase::kCombine;
+  barrier.tokens_out = nullptr;
+  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
+
+  kernels::WeightedSumArgs ws;
+  ws.combine = reinterpret_cast<const __nv_bfloat16*>(mine + layout.combine);
+  ws.topk_idx = a.topk_idx;
+  ws.topk_weights = a.topk_weights;
+  ws.num_tokens = T;
+  ws.hidden = c.hidden;
+  ws.top_k = c.top_k;
+  ws.num_experts = c.num_experts;
+  ws.y = a.y;
+  EPFLOW_CUDA_RETURN(kernels::launch_weighted_sum(ws, stream));
+  EPFLOW_CUDA_RETURN(mark(&StageEvents::end));
+
+  if (saved) {
+    *saved = SavedContext{};
+    saved->generation = ++generation;
+    saved->num_tokens = T;
+    saved->x = a.x;
+    saved->topk_idx = a.topk_idx;
+    saved->topk_weights = a.topk_weights;
+    saved->weights = a.weights;
+  }
+  return Status::ok_status();
+}
 
 Layer::Layer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Layer::~Layer() = default;
@@ -86,24 +290,42 @@ Status Layer::create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr
     return error_status(StatusCode::kInvalidArgument, "communicator is rank ", comm_rank, " of ",
                         comm_size, " but config says ep_rank ", config.ep_rank, " of ep_size ",
                         config.ep_size);
-  return error_status(StatusCode::kNotImplemented,
-                      "the GPU layer is not implemented yet (issue [B]); use the CPU reference");
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->comm = comm;
+  int device = 0;
+  EPFLOW_CUDA_RETURN(cudaGetDevice(&device));
+  EPFLOW_CUDA_RETURN(
+      cudaDeviceGetAttribute(&impl->sm_count, cudaDevAttrMultiProcessorCount, device));
+  EPFLOW_RETURN_IF_ERROR(runtime::make_plan(config, impl->sm_count, &impl->plan));
+  EPFLOW_RETURN_IF_ERROR(impl->allocate());
+  out->reset(new Layer(std::move(impl)));
+  return Status::ok_status();
 }
 
-Status Layer::forward(const ForwardArgs& args, cudaStream_t, SavedContext*) {
+Status Layer::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, args));
-  return error_status(StatusCode::kNotImplemented,
-                      "GPU forward is not implemented yet (issue [B])");
+  return impl_->forward(args, stream, saved, nullptr);
+}
+
+Status LayerInternals::forward_with_stage_events(Layer& layer, const ForwardArgs& args,
+                                                 cudaStream_t stream, const StageEvents& events) {
+  EPFLOW_RETURN_IF_ERROR(validate(layer.impl_->config, args));
+  return layer.impl_->forward(args, stream, nullptr, &events);
 }
 
 Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, saved, args));
+  if (saved.generation != impl_->generation)
+    return error_status(StatusCode::kInvalidArgument, "saved context of forward call ",
+                        saved.generation, " is stale: forward has run since (call ",
+                        impl_->generation, ")");
   return error_status(StatusCode::kNotImplemented,
                       "GPU backward is not implemented yet (issue [F])");
 }
 
 const LayerConfig& Layer::config() const { return impl_->config; }
 
-MemoryReport Layer::memory() const { return {}; }
+MemoryReport Layer::memory() const { return impl_->memory; }
 
 }  // namespace epflow

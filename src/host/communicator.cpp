@@ -1,0 +1,53 @@
+#include "epflow/communicator.h"
+
+#include <cuda_runtime.h>
+
+#include <thread>
+#include <vector>
+
+#include "epflow/layer.h"
+#include "host/status_util.h"
+
+namespace epflow {
+
+Status create_communicator(const ncclUniqueId& id, int world, int rank, ncclComm_t* out) {
+  EPFLOW_RETURN_IF_ERROR(check_nccl_version());
+  const ncclResult_t r = ncclCommInitRank(out, world, id, rank);
+  if (r != ncclSuccess)
+    return error_status(StatusCode::kNcclError, "ncclCommInitRank (rank ", rank, " of ", world,
+                        "): ", ncclGetErrorString(r));
+  return Status::ok_status();
+}
+
+Status run_on_local_gpus(int world, const std::function<Status(int rank, ncclComm_t comm)>& fn) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < world)
+    return error_status(StatusCode::kNoDevice, "run_on_local_gpus needs ", world, " GPUs, found ",
+                        devices);
+  EPFLOW_RETURN_IF_ERROR(check_nccl_version());
+  ncclUniqueId id;
+  if (ncclGetUniqueId(&id) != ncclSuccess)
+    return error_status(StatusCode::kNcclError, "ncclGetUniqueId failed");
+  std::vector<Status> results(world);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      if (cudaSetDevice(rank) != cudaSuccess) {
+        results[rank] = error_status(StatusCode::kCudaError, "cudaSetDevice(", rank, ") failed");
+        return;
+      }
+      ncclComm_t comm = nullptr;
+      results[rank] = create_communicator(id, world, rank, &comm);
+      if (!results[rank].ok()) return;
+      results[rank] = fn(rank, comm);
+      ncclCommDestroy(comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < world; ++rank)
+    if (!results[rank].ok())
+      return Status(results[rank].code(), concat("rank ", rank, ": ", results[rank].message()));
+  return Status::ok_status();
+}
+
+}  // namespace epflow

@@ -1,0 +1,90 @@
+// Launchers of the unfused forward pipeline (issue [B]): one kernel per file, each a building
+// block the fused megakernel reuses. All stream-ordered; none synchronises with the host.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/routing_schedule.h"
+#include "epflow/config.h"
+
+namespace epflow::kernels {
+
+// Every rank's copy of the layer's symmetric window, as this GPU addresses it (NVLink-mapped).
+struct PeerWindows {
+  char* base[Limits::kMaxEpSize] = {};
+};
+
+// Where things sit inside the symmetric window (same offsets on every rank).
+struct WindowLayout {
+  size_t flags = 0;     // uint64_t[kMaxEpSize]: flags[src] = last barrier epoch src signalled
+  size_t tokens = 0;    // int64_t: this rank's T of the current call
+  size_t topk_idx = 0;  // int32_t[T_max, K]
+  size_t x = 0;         // bf16[T_max, H]: tokens the peers pull
+  size_t combine = 0;   // bf16[T_max * K, H]: one slot per (token, k), pushed by expert owners
+  size_t bytes = 0;
+
+  static WindowLayout make(int64_t max_tokens, int64_t hidden, int32_t top_k);
+};
+
+// Barrier over all ranks through flags in the symmetric windows, with a timeout that names the
+// missing rank. If tokens_out is set, first publishes this rank's T and, once every rank has
+// arrived, gathers all ranks' T into tokens_out[world].
+enum class BarrierPhase : int32_t { kDispatch = 0, kCombine = 1 };
+struct BarrierArgs {
+  PeerWindows peers;
+  WindowLayout layout;
+  int32_t rank = 0;
+  int32_t world = 1;
+  uint64_t* epoch = nullptr;  // local device counter; advanced by every barrier launch
+  int64_t timeout_ns = 0;
+  BarrierPhase phase = BarrierPhase::kDispatch;
+  int64_t my_tokens = 0;
+  int64_t* tokens_out = nullptr;
+};
+cudaError_t launch_rank_barrier(const BarrierArgs& args, cudaStream_t stream);
+
+// Pull dispatch: routed_x[row] = x of row's (src_rank, token) read from src_rank's window;
+// padding rows are zero-filled. Rows at or past seg_offset[experts] are not touched.
+struct DispatchArgs {
+  PeerWindows peers;
+  size_t x_offset = 0;
+  const sched::PullRow* table = nullptr;
+  const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  int32_t experts = 0;
+  int64_t hidden = 0;
+  int32_t top_k = 0;
+  __nv_bfloat16* routed_x = nullptr;  // [max_rows, H]
+};
+cudaError_t launch_pull_dispatch(const DispatchArgs& args, int32_t blocks, cudaStream_t stream);
+
+// Push combine: expert output row -> the owner's combine slot (token * K + k) in its window.
+struct CombineArgs {
+  PeerWindows peers;
+  size_t combine_offset = 0;
+  const sched::PullRow* table = nullptr;
+  const int64_t* seg_offset = nullptr;
+  int32_t experts = 0;
+  int64_t hidden = 0;
+  const __nv_bfloat16* routed_y = nullptr;  // [max_rows, H]
+};
+cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStream_t stream);
+
+// y[t] = sum_k w[t,k] * combine[t*K + k], k ascending, fp32 sums, bf16 out; slots whose expert
+// id is outside [0, num_experts) contribute nothing.
+struct WeightedSumArgs {
+  const __nv_bfloat16* combine = nullptr;  // local window [T * K, H]
+  const int32_t* topk_idx = nullptr;
+  const float* topk_weights = nullptr;
+  int64_t num_tokens = 0;
+  int64_t hidden = 0;
+  int32_t top_k = 0;
+  int32_t num_experts = 0;
+  __nv_bfloat16* y = nullptr;
+};
+cudaError_t launch_weighted_sum(const WeightedSumArgs& args, cudaStream_t stream);
+
+}  // namespace epflow::kernels

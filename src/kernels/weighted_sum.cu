@@ -1,0 +1,48 @@
+#include "kernels/layer_kernels.cuh"
+
+namespace epflow::kernels {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// NOTES: a thread owns 8 columns of one token and sums its K slots in increasing k with fp32
+// accumulators: the same order on every run, so the output is bitwise reproducible.
+__global__ void __launch_bounds__(kThreads) weighted_sum_kernel(WeightedSumArgs a) {
+  const int64_t vecs_per_row = a.hidden / 8;
+  const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  if (i >= a.num_tokens * vecs_per_row) return;
+  const int64_t t = i / vecs_per_row;
+  const int64_t v = i % vecs_per_row;
+  float acc[8] = {};
+  for (int32_t k = 0; k < a.top_k; ++k) {
+    const int32_t e = a.topk_idx[t * a.top_k + k];
+    if (e < 0 || e >= a.num_experts) continue;
+    const float w = a.topk_weights[t * a.top_k + k];
+    const int4 raw = reinterpret_cast<const int4*>(a.combine + (t * a.top_k + k) * a.hidden)[v];
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      acc[2 * j] = fmaf(w, f.x, acc[2 * j]);
+      acc[2 * j + 1] = fmaf(w, f.y, acc[2 * j + 1]);
+    }
+  }
+  int4 out;
+  auto* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  reinterpret_cast<int4*>(a.y + t * a.hidden)[v] = out;
+}
+
+}  // namespace
+
+cudaError_t launch_weighted_sum(const WeightedSumArgs& args, cudaStream_t stream) {
+  const int64_t threads = args.num_tokens * (args.hidden / 8);
+  if (threads == 0) return cudaSuccess;
+  weighted_sum_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0,
+                        stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace epflow::kernels

@@ -1,0 +1,184 @@
+// Runs the EPFlow layer on `world` local GPUs (a thread per GPU) on synthetic inputs and checks it
+// against the CPU reference: bf16-rounded inputs on both sides, outputs poisoned before every
+// call, every element checked for being written, relative error per rank.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "epflow/communicator.h"
+#include "epflow/epflow.h"
+#include "reference/reference_layer.h"
+#include "reference/synthetic.h"
+
+namespace epflow::testing {
+
+inline void round_to_bf16(std::vector<float>* v) {
+  for (float& f : *v) f = __bfloat162float(__float2bfloat16(f));
+}
+
+inline std::vector<__nv_bfloat16> to_bf16(const std::vector<float>& v) {
+  std::vector<__nv_bfloat16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16(v[i]);
+  return out;
+}
+
+inline int device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+// One forward call's inputs on every rank.
+using CallInputs = std::vector<reference::RankInput>;
+
+struct LayerRunResult {
+  std::vector<std::vector<std::vector<float>>> y;  // [call][rank][T * H]
+};
+
+#define EPFLOW_TRY_CUDA(expr)                                                                    \
+  do {                                                                                           \
+    const cudaError_t e_ = (expr);                                                               \
+    if (e_ != cudaSuccess)                                                                       \
+      return Status(StatusCode::kCudaError, std::string(#expr) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+
+// Runs every call in order on one Layer per rank (so repeated calls reuse the workspace).
+inline Status run_layer(const LayerConfig& base, const std::vector<reference::RankExperts>& experts,
+                        const std::vector<CallInputs>& calls, LayerRunResult* result) {
+  const int world = base.ep_size;
+  result->y.assign(calls.size(), std::vector<std::vector<float>>(world));
+  return run_on_local_gpus(world, [&](int rank, ncclComm_t comm) -> Status {
+    LayerConfig c = base;
+    c.ep_rank = rank;
+    std::unique_ptr<Layer> layer;
+    if (Status s = Layer::create(c, comm, &layer); !s.ok()) return s;
+    const auto& ex = experts[rank];
+    std::vector<__nv_bfloat16*> w(3, nullptr);
+    const std::vector<float>* host_w[3] = {&ex.gate, &ex.up, &ex.down};
+    for (int i = 0; i < 3; ++i) {
+      const auto b = to_bf16(*host_w[i]);
+      EPFLOW_TRY_CUDA(cudaMalloc(&w[i], b.size() * 2));
+      EPFLOW_TRY_CUDA(cudaMemcpy(w[i], b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+    }
+    const int64_t H = c.hidden, K = c.top_k, T_max = c.max_tokens_per_rank;
+    __nv_bfloat16 *x = nullptr, *y = nullptr;
+    int32_t* idx = nullptr;
+    float* tw = nullptr;
+    EPFLOW_TRY_CUDA(cudaMalloc(&x, T_max * H * 2));
+    EPFLOW_TRY_CUDA(cudaMalloc(&y, T_max * H * 2));
+    EPFLOW_TRY_CUDA(cudaMalloc(&idx, T_max * K * 4));
+    EPFLOW_TRY_CUDA(cudaMalloc(&tw, T_max * K * 4));
+    cudaStream_t stream;
+    EPFLOW_TRY_CUDA(cudaStreamCreate(&stream));
+    for (size_t call = 0; call < calls.size(); ++call) {
+      const auto& in = calls[call][rank];
+      const int64_t T = in.num_tokens;
+      const auto xb = to_bf16(in.x);
+      EPFLOW_TRY_CUDA(cudaMemcpy(x, xb.data(), T * H * 2, cudaMemcpyHostToDevice));
+      EPFLOW_TRY_CUDA(cudaMemcpy(idx, in.topk_idx.data(), T * K * 4, cudaMemcpyHostToDevice));
+      EPFLOW_TRY_CUDA(cudaMemcpy(tw, in.topk_weights.data(), T * K * 4, cudaMemcpyHostToDevice));
+      EPFLOW_TRY_CUDA(cudaMemset(y, 0xFF, T_max * H * 2));  // bf16 0xFFFF is NaN: unwritten shows
+      ForwardArgs a;
+      a.num_tokens = T;
+      a.x = x;
+      a.topk_idx = idx;
+      a.topk_weights = tw;
+      a.weights = {w[0], w[1], w[2]};
+      a.y = y;
+      SavedContext saved;
+      if (Status s = layer->forward(a, stream, &saved); !s.ok()) return s;
+      EPFLOW_TRY_CUDA(cudaStreamSynchronize(stream));
+      std::vector<__nv_bfloat16> yb(T * H);
+      EPFLOW_TRY_CUDA(cudaMemcpy(yb.data(), y, T * H * 2, cudaMemcpyDeviceToHost));
+      auto& out = result->y[call][rank];
+      out.resize(T * H);
+      for (int64_t i = 0; i < T * H; ++i) out[i] = __bfloat162float(yb[i]);
+    }
+    layer.reset();
+    for (auto* p : w) cudaFree(p);
+    cudaFree(x);
+    cudaFree(y);
+    cudaFree(idx);
+    cudaFree(tw);
+    cudaStreamDestroy(stream);
+    return Status::ok_status();
+  });
+}
+
+// Compares rank outputs with the reference on up to `max_checked_tokens` tokens per rank (all of
+// them when fewer), spread over the rank; every element of y must be finite (written).
+inline void expect_matches_reference(const LayerConfig& c,
+                                     const std::vector<reference::RankExperts>& experts,
+                                     const CallInputs& in, const std::vector<std::vector<float>>& y,
+                                     int64_t max_checked_tokens, double tolerance = 1e-2) {
+  for (int r = 0; r < c.ep_size; ++r) {
+    const int64_t T = in[r].num_tokens;
+    ASSERT_EQ(static_cast<int64_t>(y[r].size()), T * c.hidden);
+    int64_t unwritten = 0;
+    for (float f : y[r]) unwritten += !std::isfinite(f);
+    EXPECT_EQ(unwritten, 0) << "rank " << r << ": elements of y not written (still NaN)";
+    std::vector<int64_t> tokens;
+    if (T <= max_checked_tokens) {
+      for (int64_t t = 0; t < T; ++t) tokens.push_back(t);
+    } else {
+      std::mt19937_64 rng(1234 + r);
+      for (int64_t i = 0; i < max_checked_tokens; ++i) tokens.push_back(rng() % T);
+    }
+    std::vector<std::vector<float>> ref(tokens.size(), std::vector<float>(c.hidden));
+    const unsigned workers = std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::thread> pool;
+    for (unsigned w = 0; w < workers; ++w)
+      pool.emplace_back([&, w] {
+        for (size_t i = w; i < tokens.size(); i += workers) {
+          const int64_t t = tokens[i];
+          reference::forward_token(c, experts, &in[r].x[t * c.hidden], &in[r].topk_idx[t * c.top_k],
+                                   &in[r].topk_weights[t * c.top_k], ref[i].data());
+        }
+      });
+    for (auto& t : pool) t.join();
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < tokens.size(); ++i)
+      for (int64_t j = 0; j < c.hidden; ++j) {
+        const double d = double(y[r][tokens[i] * c.hidden + j]) - ref[i][j];
+        err += d * d;
+        norm += double(ref[i][j]) * ref[i][j];
+      }
+    if (norm > 0)
+      EXPECT_LE(std::sqrt(err / norm), tolerance)
+          << "rank " << r << ": relative error over " << tokens.size() << " tokens";
+    else
+      EXPECT_EQ(err, 0.0) << "rank " << r << ": reference is zero, output is not";
+  }
+}
+
+// Synthetic inputs rounded to bf16, so the reference sees exactly what the GPU sees.
+inline CallInputs make_call(const LayerConfig& c, const std::vector<int64_t>& tokens,
+                            synthetic::Routing routing, uint64_t seed) {
+  synthetic::InputSpec spec;
+  spec.tokens_per_rank = tokens;
+  spec.routing = routing;
+  spec.seed = seed;
+  auto in = synthetic::make_inputs(c, spec);
+  for (auto& r : in) round_to_bf16(&r.x);
+  return in;
+}
+
+inline std::vector<reference::RankExperts> make_bf16_experts(const LayerConfig& c, uint64_t seed) {
+  auto ex = synthetic::make_experts(c, seed);
+  for (auto& e : ex) {
+    round_to_bf16(&e.gate);
+    round_to_bf16(&e.up);
+    round_to_bf16(&e.down);
+  }
+  return ex;
+}
+
+}  // namespace epflow::testing
