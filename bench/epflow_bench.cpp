@@ -353,7 +353,8 @@ int run_gpu(const Options& o, int devices) {
            << ", \"layer_tflops_per_gpu\": " << flops / slow.total_us * 1e-6;
       for (int st = 0; st < kStages; ++st)
         json << ", \"stage_us_" << st << "\": " << slow.stage_us[st];
-      json << ", \"dispatch_nvlink_bytes\": " << slow.nvlink_rows_in * row_bytes
+      json << ", \"ffn_tflops_per_gpu\": " << ffn_flops / slow.stage_us[2] * 1e-6
+           << ", \"dispatch_nvlink_bytes\": " << slow.nvlink_rows_in * row_bytes
            << ", \"combine_nvlink_bytes\": " << slow.nvlink_rows_out * row_bytes << "}";
       first = false;
     }
