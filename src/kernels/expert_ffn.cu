@@ -5,7 +5,6 @@
 #include <cstdint>
 
 #include "kernels/expert_ffn.cuh"
-#include "kernels/expert_ffn_tile.cuh"
 
 namespace epflow::kernels {
 
@@ -17,9 +16,15 @@ cudaError_t launch_expert_ffn(const ExpertFfnArgs& args, cudaStream_t stream) {
   if (!args.seg_offset || !args.x || !args.w_gate || !args.w_up || !args.w_down || !args.h ||
       !args.y)
     return cudaErrorInvalidValue;
-  if (const cudaError_t err = launch_expert_ffn_gate_up(args, stream); err != cudaSuccess)
+  int device = 0, sm_count = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+      e != cudaSuccess)
+    return e;
+  if (const cudaError_t err = launch_expert_ffn_gate_up(args, sm_count, stream);
+      err != cudaSuccess)
     return err;
-  return launch_expert_ffn_down(args, stream);
+  return launch_expert_ffn_down(args, sm_count, stream);
 }
 
 }  // namespace epflow::kernels

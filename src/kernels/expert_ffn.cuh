@@ -1,6 +1,5 @@
 // Expert FFN over the expert-grouped routed rows: gate/up GEMM with SwiGLU in its epilogue, then
-// the down GEMM. This is the simple tensor-core version of issue [B]; issue [C]'s wgmma grouped
-// GEMM replaces it behind this same interface.
+// the down GEMM, both on the persistent wgmma + TMA grouped GEMM of grouped_gemm.cuh.
 //
 // Rows of local expert e are [seg_offset[e], seg_offset[e+1]), each segment padded to a multiple
 // of kExpertFfnTileM (so no M tile spans two experts). seg_offset lives on the device (no host
@@ -32,5 +31,11 @@ struct ExpertFfnArgs {
 
 // h then y, stream-ordered. Rows at or past seg_offset[experts] are not touched.
 cudaError_t launch_expert_ffn(const ExpertFfnArgs& args, cudaStream_t stream);
+
+// The two halves (one kernel per file), on a device with sm_count SMs.
+cudaError_t launch_expert_ffn_gate_up(const ExpertFfnArgs& args, int32_t sm_count,
+                                      cudaStream_t stream);
+cudaError_t launch_expert_ffn_down(const ExpertFfnArgs& args, int32_t sm_count,
+                                   cudaStream_t stream);
 
 }  // namespace epflow::kernels

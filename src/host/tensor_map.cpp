@@ -1,0 +1,54 @@
+#include "host/tensor_map.h"
+
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <mutex>
+
+#include "host/status_util.h"
+
+namespace epflow {
+
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  return fn;
+}
+
+}  // namespace
+
+Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
+                              const uint32_t* box) {
+  auto fn = encode_fn();
+  if (!fn) return error_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled is unavailable");
+  cuuint64_t global_dims[3];
+  cuuint64_t strides[2];  // bytes, for dims 1..rank-1
+  cuuint32_t box_dims[3], elem_strides[3] = {1, 1, 1};
+  uint64_t stride = 2;
+  for (int i = 0; i < rank; ++i) {
+    global_dims[i] = dims[i];
+    box_dims[i] = box[i];
+    if (i > 0) strides[i - 1] = stride;
+    stride *= dims[i];
+  }
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base),
+                        global_dims, strides, box_dims, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return error_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled failed (", int(r),
+                        ") for a rank-", rank, " tensor with inner dim ", dims[0]);
+  return Status::ok_status();
+}
+
+}  // namespace epflow

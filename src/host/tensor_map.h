@@ -1,0 +1,19 @@
+// Host-side encoding of TMA tensor maps (bf16, 128-byte swizzle) through the driver entry point,
+// so the library needs no link-time dependency on libcuda.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "epflow/status.h"
+
+namespace epflow {
+
+// A row-major bf16 tensor of dims (innermost first) dims[0..rank), every row dims[0] elements,
+// loaded in boxes of box[0..rank) elements; box[0] * 2 must be 128 bytes (the swizzle span).
+// Out-of-range box elements read as zeros.
+Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
+                              const uint32_t* box);
+
+}  // namespace epflow

@@ -1,0 +1,226 @@
+// Grouped GEMM over the expert-grouped rows: for every 128-row tile (inside one expert's segment,
+// the schedule pads segments to the tile) and every N tile, out = rows * W_e^T, where W_e is the
+// tile's expert's [N, K] weight (nn.Linear layout, K-major like the rows: the "TN" GEMM).
+//
+// Hopper design (sm_90a): persistent CTAs of three warpgroups. Warpgroup 0 is the producer: one
+// thread issues TMA tile loads (rows 128 x 64, weights 256 x 64, both 128B-swizzled) into a
+// kStages-deep shared-memory ring guarded by full/empty mbarriers. Warpgroups 1 and 2 are
+// consumers: each owns 64 rows of the tile and runs wgmma m64n256k16 from shared memory into 128
+// fp32 accumulators per thread, then the epilogue. setmaxnreg moves registers from the producer
+// to the consumers. The producer runs ahead into the next tile while consumers finish the
+// epilogue, so loads never wait for stores.
+//
+// Epilogues: kSwiGLU (gate/up): the 256 B rows are 128 gate rows then the same 128 up rows of
+// expert e, so each thread holds gate and up of the same columns and writes silu(g) * u as bf16
+// (no [rows, 2I] tensor); kStore (down): writes the 256 columns as bf16.
+//
+// The tile loop is split into produce_tile / consume_tile so a persistent megakernel can feed
+// tiles one at a time ("compute tile (m, n) once its rows are ready"); grouped_gemm_kernel is the
+// standalone persistent driver.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/routing_schedule.h"
+#include "kernels/ptx/tma.cuh"
+#include "kernels/ptx/wgmma.cuh"
+
+namespace epflow::kernels::gemm {
+
+enum class Epilogue { kSwiGLU, kStore };
+
+inline constexpr int kBlockM = 128;  // = the schedule's segment padding (kExpertFfnTileM)
+inline constexpr int kBlockK = 64;   // one 128-byte swizzle row of bf16
+inline constexpr int kBlockNMma = 256;
+inline constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
+inline constexpr int kGroupM = 8;     // tiles are walked in bands of kGroupM row tiles
+
+template <Epilogue kEpi>
+inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kBlockNMma / 2 : kBlockNMma;
+
+struct GemmParams {
+  const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  int32_t experts = 0;
+  int32_t n_out = 0;  // output columns (I for gate/up, H for down); multiple of 64
+  int32_t k = 0;      // reduction length, multiple of kBlockK
+  __nv_bfloat16* out = nullptr;  // [rows, n_out]
+};
+
+template <int kStages>
+struct alignas(1024) SharedStorage {
+  uint8_t a[kStages][kBlockM * kBlockK * 2];
+  uint8_t b[kStages][kBlockNMma * kBlockK * 2];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+
+// Position in the ring of stages, with the phase parity of its barriers.
+template <int kStages>
+struct PipelineState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+struct TileCoord {
+  int32_t m_tile, n_tile, expert;
+};
+
+// Tile t of the walk: bands of kGroupM row tiles; inside a band, row tiles vary fastest, so the
+// CTAs running at once share weight tiles (same expert, same n) through L2.
+__device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int32_t n_tiles,
+                                                const int64_t* seg_offset, int32_t experts) {
+  const int64_t band_tiles = int64_t{kGroupM} * n_tiles;
+  const int32_t band = static_cast<int32_t>(t / band_tiles);
+  const int32_t in_band = static_cast<int32_t>(t % band_tiles);
+  const int32_t band_m = min(kGroupM, m_tiles - band * kGroupM);
+  TileCoord c;
+  c.m_tile = band * kGroupM + in_band % band_m;
+  c.n_tile = in_band / band_m;
+  c.expert = sched::expert_of_row(seg_offset, experts, int64_t{c.m_tile} * kBlockM);
+  return c;
+}
+
+template <Epilogue kEpi, int kStages>
+__device__ __forceinline__ void produce_tile(SharedStorage<kStages>& s, PipelineState<kStages>& ps,
+                                             const TileCoord& c, int32_t k_blocks,
+                                             const CUtensorMap* map_a, const CUtensorMap* map_b0,
+                                             const CUtensorMap* map_b1) {
+  constexpr uint32_t kBytes = (kBlockM + kBlockNMma) * kBlockK * 2;
+  for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
+    ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
+    uint64_t* full = &s.full[ps.stage];
+    ptx::mbarrier_arrive_expect_tx(full, kBytes);
+    ptx::tma_load_2d(s.a[ps.stage], map_a, kb * kBlockK, c.m_tile * kBlockM, full);
+    if constexpr (kEpi == Epilogue::kSwiGLU) {
+      constexpr int kHalf = kBlockNMma / 2;
+      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kHalf, c.expert, full);
+      ptx::tma_load_3d(s.b[ps.stage] + kHalf * kBlockK * 2, map_b1, kb * kBlockK,
+                       c.n_tile * kHalf, c.expert, full);
+    } else {
+      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kBlockNMma, c.expert,
+                       full);
+    }
+  }
+}
+
+// One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
+template <Epilogue kEpi, int kStages>
+__device__ __forceinline__ void consume_tile(SharedStorage<kStages>& s, PipelineState<kStages>& ps,
+                                             const TileCoord& c, int32_t k_blocks, int wg,
+                                             const GemmParams& p) {
+  float acc[kBlockNMma / 2];
+  const int tid = threadIdx.x % 128;
+  // NOTES: release stage kb-1 only after the wgmma group of kb is issued and kb-1's has
+  // retired (wait_group 1): the tensor cores always have the next k-block queued.
+  PipelineState<kStages> release = ps;
+  for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
+    ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
+    const uint32_t a_base = ptx::smem_addr(s.a[ps.stage]) + wg * 64 * 128;
+    const uint32_t b_base = ptx::smem_addr(s.b[ps.stage]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      ptx::wgmma_m64n256k16_bf16(acc, ptx::smem_desc_k_major_sw128(a_base + kk * 32),
+                                 ptx::smem_desc_k_major_sw128(b_base + kk * 32), kb > 0 || kk > 0);
+    }
+    ptx::wgmma_commit_group();
+    ptx::wgmma_fence_operands(acc);
+    if (kb > 0) {
+      ptx::wgmma_wait_group<1>();
+      if (tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
+      release.advance();
+    }
+  }
+  ptx::wgmma_wait_group<0>();
+  ptx::wgmma_fence_operands(acc);
+  if (k_blocks > 0 && tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int64_t row0 = int64_t{c.m_tile} * kBlockM + wg * 64 + warp * 16 + lane / 4;
+  const int32_t col0 = c.n_tile * kOutCols<kEpi> + 2 * (lane % 4);
+  auto store = [&](int64_t row, int32_t col, float v0, float v1) {
+    *reinterpret_cast<__nv_bfloat162*>(p.out + row * p.n_out + col) =
+        __floats2bfloat162_rn(v0, v1);
+  };
+  if constexpr (kEpi == Epilogue::kSwiGLU) {
+    constexpr int kUp = kBlockNMma / 2 / 8 * 4;  // register offset of the up half
+    auto swiglu = [](float g, float u) { return g / (1.0f + __expf(-g)) * u; };
+#pragma unroll
+    for (int j = 0; j < kBlockNMma / 2 / 8; ++j) {
+      const int32_t col = col0 + 8 * j;
+      if (col >= p.n_out) continue;
+      const float* r = acc + 4 * j;
+      store(row0, col, swiglu(r[0], r[kUp + 0]), swiglu(r[1], r[kUp + 1]));
+      store(row0 + 8, col, swiglu(r[2], r[kUp + 2]), swiglu(r[3], r[kUp + 3]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kBlockNMma / 8; ++j) {
+      const int32_t col = col0 + 8 * j;
+      if (col >= p.n_out) continue;
+      const float* r = acc + 4 * j;
+      store(row0, col, r[0], r[1]);
+      store(row0 + 8, col, r[2], r[3]);
+    }
+  }
+}
+
+// Standalone persistent driver: every CTA walks tiles blockIdx.x, + gridDim.x, ...
+template <Epilogue kEpi, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b0,
+                        const __grid_constant__ CUtensorMap map_b1, const GemmParams p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& s = *reinterpret_cast<SharedStorage<kStages>*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      ptx::mbarrier_init(&s.full[i], 1);
+      ptx::mbarrier_init(&s.empty[i], 2);  // one arrival per consumer warpgroup
+    }
+    ptx::mbarrier_init_fence();
+    ptx::prefetch_tensor_map(&map_a);
+    ptx::prefetch_tensor_map(&map_b0);
+    if constexpr (kEpi == Epilogue::kSwiGLU) ptx::prefetch_tensor_map(&map_b1);
+  }
+  __syncthreads();
+
+  const int64_t total_rows = p.seg_offset[p.experts];
+  const int32_t m_tiles = static_cast<int32_t>(total_rows / kBlockM);
+  const int32_t n_tiles = (p.n_out + kOutCols<kEpi> - 1) / kOutCols<kEpi>;
+  const int64_t tiles = int64_t{m_tiles} * n_tiles;
+  const int32_t k_blocks = p.k / kBlockK;
+  PipelineState<kStages> ps;
+
+  if (wg == 0) {
+    ptx::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
+        produce_tile<kEpi>(s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.experts),
+                           k_blocks, &map_a, &map_b0, &map_b1);
+    }
+  } else {
+    ptx::warpgroup_reg_alloc<232>();
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
+      consume_tile<kEpi>(s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.experts),
+                         k_blocks, wg - 1, p);
+  }
+}
+
+template <int kStages>
+constexpr size_t shared_bytes() {
+  return sizeof(SharedStorage<kStages>) + 1024;  // + alignment slack of the dynamic window
+}
+
+}  // namespace epflow::kernels::gemm

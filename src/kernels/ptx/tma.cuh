@@ -1,0 +1,72 @@
+// Thin wrappers over TMA tile loads and shared-memory mbarriers (sm_90), on top of libcu++'s
+// cuda::ptx, named for how the GEMM pipeline uses them.
+#pragma once
+
+#include <cuda.h>
+#include <cuda/ptx>
+
+#include <cstdint>
+
+namespace epflow::ptx {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  cuda::ptx::mbarrier_init(bar, arrivals);
+}
+
+// Makes initialised barriers visible to the async proxy (TMA) before anyone uses them.
+__device__ __forceinline__ void mbarrier_init_fence() {
+  cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+}
+
+// Spins until the barrier's phase of the given parity has completed. A freshly initialised
+// barrier counts its (never run) previous phase, parity 1, as complete.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
+  }
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  cuda::ptx::mbarrier_arrive(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                             cuda::ptx::space_shared, bar);
+}
+
+// One arrival that also announces `bytes` of TMA traffic the phase must wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                       cuda::ptx::space_shared, bar, bytes);
+}
+
+// Tile loads: coordinates innermost first, in elements; completion counted on `bar` in bytes.
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map, int32_t c0,
+                                           int32_t c1, uint64_t* bar) {
+  const int32_t coords[2] = {c0, c1};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_shared, cuda::ptx::space_global, smem_dst, map,
+                                  coords, bar);
+}
+
+__device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* map, int32_t c0,
+                                           int32_t c1, int32_t c2, uint64_t* bar) {
+  const int32_t coords[3] = {c0, c1, c2};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_shared, cuda::ptx::space_global, smem_dst, map,
+                                  coords, bar);
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+
+// Register budget per warpgroup (only honoured under __launch_bounds__(threads, 1)).
+template <uint32_t regs>
+__device__ __forceinline__ void warpgroup_reg_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(regs));
+}
+template <uint32_t regs>
+__device__ __forceinline__ void warpgroup_reg_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(regs));
+}
+
+}  // namespace epflow::ptx
