@@ -6,9 +6,10 @@
 // thread issues TMA tile loads (rows 128 x 64, weights 256 x 64, both 128B-swizzled) into a
 // kStages-deep shared-memory ring guarded by full/empty mbarriers. Warpgroups 1 and 2 are
 // consumers: each owns 64 rows of the tile and runs wgmma m64n256k16 from shared memory into 128
-// fp32 accumulators per thread, then the epilogue. setmaxnreg moves registers from the producer
-// to the consumers. The producer runs ahead into the next tile while consumers finish the
-// epilogue, so loads never wait for stores.
+// fp32 accumulators per thread, then the epilogue: bf16 into a 128B-swizzled staging tile in
+// shared memory (bank-conflict free), then TMA stores that drain while the warpgroup already
+// runs the next tile's mainloop. setmaxnreg moves registers from the producer to the consumers.
+// The producer runs ahead into the next tile while consumers finish the epilogue.
 //
 // Epilogues: kSwiGLU (gate/up): the 256 B rows are 128 gate rows then the same 128 up rows of
 // expert e, so each thread holds gate and up of the same columns and writes silu(g) * u as bf16
@@ -46,13 +47,18 @@ struct GemmParams {
   int32_t experts = 0;
   int32_t n_out = 0;  // output columns (I for gate/up, H for down); multiple of 64
   int32_t k = 0;      // reduction length, multiple of kBlockK
-  __nv_bfloat16* out = nullptr;  // [rows, n_out]
 };
 
-template <int kStages>
+// Output staging of one consumer warpgroup: its 64 rows as kOutCols / 64 boxes of 64 rows x
+// 128 B (64 bf16), each 128B-swizzled like the output tensor map.
+template <Epilogue kEpi>
+inline constexpr int kStagingBytes = 64 * kOutCols<kEpi> * 2;
+
+template <Epilogue kEpi, int kStages>
 struct alignas(1024) SharedStorage {
   uint8_t a[kStages][kBlockM * kBlockK * 2];
   uint8_t b[kStages][kBlockNMma * kBlockK * 2];
+  uint8_t out[2][kStagingBytes<kEpi>];
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
@@ -90,7 +96,7 @@ __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int3
 }
 
 template <Epilogue kEpi, int kStages>
-__device__ __forceinline__ void produce_tile(SharedStorage<kStages>& s, PipelineState<kStages>& ps,
+__device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s, PipelineState<kStages>& ps,
                                              const TileCoord& c, int32_t k_blocks,
                                              const CUtensorMap* map_a, const CUtensorMap* map_b0,
                                              const CUtensorMap* map_b1) {
@@ -114,9 +120,9 @@ __device__ __forceinline__ void produce_tile(SharedStorage<kStages>& s, Pipeline
 
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
 template <Epilogue kEpi, int kStages>
-__device__ __forceinline__ void consume_tile(SharedStorage<kStages>& s, PipelineState<kStages>& ps,
-                                             const TileCoord& c, int32_t k_blocks, int wg,
-                                             const GemmParams& p) {
+__device__ __forceinline__ void consume_tile(SharedStorage<kEpi, kStages>& s,
+                                             PipelineState<kStages>& ps, const TileCoord& c,
+                                             int32_t k_blocks, int wg, const CUtensorMap* map_out) {
   float acc[kBlockNMma / 2];
   const int tid = threadIdx.x % 128;
   // NOTES: release stage kb-1 only after the wgmma group of kb is issued and kb-1's has
@@ -144,33 +150,44 @@ __device__ __forceinline__ void consume_tile(SharedStorage<kStages>& s, Pipeline
   ptx::wgmma_fence_operands(acc);
   if (k_blocks > 0 && tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
 
-  const int warp = tid / 32, lane = tid % 32;
-  const int64_t row0 = int64_t{c.m_tile} * kBlockM + wg * 64 + warp * 16 + lane / 4;
-  const int32_t col0 = c.n_tile * kOutCols<kEpi> + 2 * (lane % 4);
-  auto store = [&](int64_t row, int32_t col, float v0, float v1) {
-    *reinterpret_cast<__nv_bfloat162*>(p.out + row * p.n_out + col) =
+  // Epilogue. NOTES: thread (warp w, lane g*4+q) holds rows w*16+g (+8) and, per n8 block j,
+  // columns 8j+2q+{0,1}: as bf16x2 they go to 16-byte chunk j%8 of a 128-byte staging row,
+  // swizzled by the row (chunk ^ row%8), so a warp's 32 stores hit 32 different banks.
+  uint8_t* staging = s.out[wg];
+  if (tid == 0) ptx::tma_store_wait_read();  // the previous tile's stores are done reading
+  ptx::named_barrier_sync(1 + wg, 128);
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+  auto put = [&](int j, int half, float v0, float v1) {
+    const int row = warp * 16 + g + 8 * half;
+    const int box = j / 8, chunk = (j % 8) ^ (row % 8);
+    *reinterpret_cast<__nv_bfloat162*>(staging + box * 64 * 128 + row * 128 + chunk * 16 + 4 * q) =
         __floats2bfloat162_rn(v0, v1);
   };
   if constexpr (kEpi == Epilogue::kSwiGLU) {
     constexpr int kUp = kBlockNMma / 2 / 8 * 4;  // register offset of the up half
-    auto swiglu = [](float g, float u) { return g / (1.0f + __expf(-g)) * u; };
+    auto swiglu = [](float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; };
 #pragma unroll
-    for (int j = 0; j < kBlockNMma / 2 / 8; ++j) {
-      const int32_t col = col0 + 8 * j;
-      if (col >= p.n_out) continue;
+    for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
       const float* r = acc + 4 * j;
-      store(row0, col, swiglu(r[0], r[kUp + 0]), swiglu(r[1], r[kUp + 1]));
-      store(row0 + 8, col, swiglu(r[2], r[kUp + 2]), swiglu(r[3], r[kUp + 3]));
+      put(j, 0, swiglu(r[0], r[kUp + 0]), swiglu(r[1], r[kUp + 1]));
+      put(j, 1, swiglu(r[2], r[kUp + 2]), swiglu(r[3], r[kUp + 3]));
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < kBlockNMma / 8; ++j) {
-      const int32_t col = col0 + 8 * j;
-      if (col >= p.n_out) continue;
+    for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
       const float* r = acc + 4 * j;
-      store(row0, col, r[0], r[1]);
-      store(row0 + 8, col, r[2], r[3]);
+      put(j, 0, r[0], r[1]);
+      put(j, 1, r[2], r[3]);
     }
+  }
+  ptx::fence_shared_to_async_proxy();
+  ptx::named_barrier_sync(1 + wg, 128);
+  if (tid == 0) {
+#pragma unroll
+    for (int box = 0; box < kOutCols<kEpi> / 64; ++box)
+      ptx::tma_store_2d(map_out, staging + box * 64 * 128, c.n_tile * kOutCols<kEpi> + box * 64,
+                        c.m_tile * kBlockM + wg * 64);
+    ptx::tma_store_commit();
   }
 }
 
@@ -179,9 +196,10 @@ template <Epilogue kEpi, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b0,
-                        const __grid_constant__ CUtensorMap map_b1, const GemmParams p) {
+                        const __grid_constant__ CUtensorMap map_b1,
+                        const __grid_constant__ CUtensorMap map_out, const GemmParams p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<SharedStorage<kStages>*>(
+  auto& s = *reinterpret_cast<SharedStorage<kEpi, kStages>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -193,6 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_b0);
     if constexpr (kEpi == Epilogue::kSwiGLU) ptx::prefetch_tensor_map(&map_b1);
+    ptx::prefetch_tensor_map(&map_out);
   }
   __syncthreads();
 
@@ -214,13 +233,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::warpgroup_reg_alloc<232>();
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
       consume_tile<kEpi>(s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.experts),
-                         k_blocks, wg - 1, p);
+                         k_blocks, wg - 1, &map_out);
+    if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }
 }
 
-template <int kStages>
+template <Epilogue kEpi, int kStages>
 constexpr size_t shared_bytes() {
-  return sizeof(SharedStorage<kStages>) + 1024;  // + alignment slack of the dynamic window
+  return sizeof(SharedStorage<kEpi, kStages>) + 1024;  // + alignment slack of the window
 }
 
 }  // namespace epflow::kernels::gemm

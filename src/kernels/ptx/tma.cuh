@@ -55,6 +55,31 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* m
                                   coords, bar);
 }
 
+// Tile store from shared memory (bulk-group completion); rows/columns past the tensor are clipped.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* smem_src,
+                                            int32_t c0, int32_t c1) {
+  const int32_t coords[2] = {c0, c1};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, map, coords,
+                                  smem_src);
+}
+__device__ __forceinline__ void tma_store_commit() { cuda::ptx::cp_async_bulk_commit_group(); }
+// Waits until the committed stores have finished reading shared memory (it may be rewritten).
+__device__ __forceinline__ void tma_store_wait_read() {
+  cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>{});
+}
+// Waits until the committed stores are complete (before the CTA exits).
+__device__ __forceinline__ void tma_store_wait_all() {
+  cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});
+}
+// Makes this thread's ordinary shared-memory writes visible to the async proxy (TMA, wgmma).
+__device__ __forceinline__ void fence_shared_to_async_proxy() {
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+}
+// Barrier over `threads` threads (multiple of 32) on hardware barrier `id` (0 is __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
 }
