@@ -383,6 +383,7 @@ struct DataSet {
   DeviceBuffer<bf16> x_packed;                           // [M, H]
   DeviceBuffer<bf16> x_padded;                           // [padded rows, H], padding rows zero
   DeviceBuffer<int64_t> seg_offset;                      // [E + 1] = Layout::pad_off
+  DeviceBuffer<int32_t> expert_rows;                     // [E] = Layout::rows (as the layer has)
   DeviceBuffer<const void*> gu_a, gu_b, down_a, down_b;  // grouped pointer arrays
   DeviceBuffer<void*> gu_c, down_c;
 };
@@ -475,6 +476,8 @@ Point build_point(const Shape& sh, std::vector<int64_t> rows, int n_sets, uint64
           "copy of x rows into the padded layout");
     d.seg_offset = DeviceBuffer<int64_t>(E + 1, "seg_offset");
     upload(&d.seg_offset, l.pad_off, s);
+    d.expert_rows = DeviceBuffer<int32_t>(E, "expert_rows");
+    upload(&d.expert_rows, std::vector<int32_t>(l.rows.begin(), l.rows.end()), s);
 
     // Grouped pointer arrays, in the plans' problem order (see make_plan for the conventions).
     std::vector<const void*> a1, b1, a2, b2;
@@ -521,6 +524,7 @@ void run_epflow(const Point& p, int set, cudaStream_t s, const cudaEvent_t* afte
   a.intermediate = p.shape.intermediate;
   a.max_rows = p.layout.padded_rows();
   a.seg_offset = d.seg_offset.get();
+  a.expert_rows = d.expert_rows.get();
   a.x = d.x_padded.get();
   a.w_gate = d.w_gate.get();
   a.w_up = d.w_up.get();

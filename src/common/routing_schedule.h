@@ -15,7 +15,11 @@
 //    exactly one macrobatch, however many rows the routing sends (nothing is ever dropped).
 //
 // Slot ids are computed chunk by chunk (count per chunk, scan over chunks, fill per chunk) so
-// the device can run chunks in parallel; the result does not depend on the chunk size.
+// the device can run chunks in parallel; the result does not depend on the chunk size. A row's
+// place comes from its ordinal j (rows src sent expert e from earlier slots): the host driver
+// walks each chunk serially (count_chunk, fill_chunk), the device hands each chunk to a warp that
+// ranks 32 slots at a time; both go through the per-slot (local_expert_of), per-row (pull_row)
+// and per-expert (padded_segment_rows, fill_padding) helpers below.
 #pragma once
 
 #include <cstdint>
@@ -72,26 +76,29 @@ EPFLOW_HD int32_t count_chunk(const ScheduleShape& s, const int32_t* topk_idx, i
 
 // --- pass 2: segment layout -------------------------------------------------------------------
 
-// counts[e * world + src] = rows from src to local expert e. Writes seg_offset[E_local + 1]
-// (padded start of each expert's segment; seg_offset[E_local] = total padded rows) and
-// returns the total. Empty experts get an empty segment.
+// Rows local expert e receives from all sources; counts[e * world + src] = rows from src to e.
+EPFLOW_HD int64_t segment_rows(const ScheduleShape& s, const int32_t* counts, int32_t e) {
+  int64_t rows = 0;
+  for (int32_t src = 0; src < s.world; ++src) rows += counts[e * s.world + src];
+  return rows;
+}
+
+// Length of expert e's segment: its rows padded to whole tiles (an empty expert's is empty).
+EPFLOW_HD int64_t padded_segment_rows(const ScheduleShape& s, const int32_t* counts, int32_t e) {
+  return round_up(segment_rows(s, counts, e), s.tile_m);
+}
+
+// Writes seg_offset[E_local + 1] (padded start of each expert's segment; seg_offset[E_local] =
+// total padded rows, the exclusive scan of padded_segment_rows) and returns the total.
 EPFLOW_HD int64_t layout_segments(const ScheduleShape& s, const int32_t* counts,
                                   int64_t* seg_offset) {
   int64_t offset = 0;
   for (int32_t e = 0; e < s.experts_per_rank; ++e) {
     seg_offset[e] = offset;
-    int64_t rows = 0;
-    for (int32_t src = 0; src < s.world; ++src) rows += counts[e * s.world + src];
-    offset += round_up(rows, s.tile_m);
+    offset += padded_segment_rows(s, counts, e);
   }
   seg_offset[s.experts_per_rank] = offset;
   return offset;
-}
-
-EPFLOW_HD int64_t segment_rows(const ScheduleShape& s, const int32_t* counts, int32_t e) {
-  int64_t rows = 0;
-  for (int32_t src = 0; src < s.world; ++src) rows += counts[e * s.world + src];
-  return rows;
 }
 
 // Position inside an expert's segment of the j-th row (0-based) that source `src` sends it,
@@ -108,6 +115,12 @@ EPFLOW_HD int64_t interleaved_position(const int32_t* expert_counts, int32_t wor
   return pos;
 }
 
+// Table row of the j-th row (0-based, in slot order) that source src sends local expert e.
+EPFLOW_HD int64_t pull_row(const ScheduleShape& s, const int32_t* counts,
+                           const int64_t* seg_offset, int32_t src, int32_t e, int32_t j) {
+  return seg_offset[e] + interleaved_position(counts + e * s.world, s.world, src, j);
+}
+
 // --- pass 3: fill -----------------------------------------------------------------------------
 
 // Writes the rows of slots [slot_begin, slot_end) of source `src` into the table. ordinal[E_local]
@@ -119,17 +132,18 @@ EPFLOW_HD void fill_chunk(const ScheduleShape& s, const int32_t* topk_idx, int32
   for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
     const int32_t e = local_expert_of(s, topk_idx[slot]);
     if (e < 0) continue;
-    const int32_t j = ordinal[e]++;
-    const int64_t row =
-        seg_offset[e] + interleaved_position(counts + e * s.world, s.world, src, j);
-    table[row] = PullRow{src, static_cast<int32_t>(slot)};
+    table[pull_row(s, counts, seg_offset, src, e, ordinal[e]++)] =
+        PullRow{src, static_cast<int32_t>(slot)};
   }
 }
 
-// Marks the padding rows of expert e's segment.
+// Marks the padding rows of expert e's segment: padding rows lane, lane + lanes, ... of it, so
+// `lanes` threads can share one segment (the host passes 0, 1).
 EPFLOW_HD void fill_padding(const ScheduleShape& s, const int32_t* counts,
-                            const int64_t* seg_offset, int32_t e, PullRow* table) {
-  for (int64_t row = seg_offset[e] + segment_rows(s, counts, e); row < seg_offset[e + 1]; ++row)
+                            const int64_t* seg_offset, int32_t e, PullRow* table,
+                            int32_t lane = 0, int32_t lanes = 1) {
+  for (int64_t row = seg_offset[e] + segment_rows(s, counts, e) + lane; row < seg_offset[e + 1];
+       row += lanes)
     table[row] = PullRow{kPaddingRow, -1};
 }
 

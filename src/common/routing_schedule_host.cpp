@@ -51,7 +51,8 @@ PullTable build_pull_table(const ScheduleShape& s, const std::vector<const int32
                  t.seg_offset.data(), &chunk_counts[src][c * E], t.rows.data());
     }
   }
-  for (int32_t e = 0; e < E; ++e) fill_padding(s, t.counts.data(), t.seg_offset.data(), e, t.rows.data());
+  for (int32_t e = 0; e < E; ++e)
+    fill_padding(s, t.counts.data(), t.seg_offset.data(), e, t.rows.data());
   return t;
 }
 

@@ -219,6 +219,7 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
   f.intermediate = c.intermediate;
   f.max_rows = max_rows;
   f.seg_offset = schedule_buffers.seg_offset;
+  f.expert_rows = schedule_buffers.expert_rows;
   f.x = routed_x;
   f.w_gate = a.weights.gate;
   f.w_up = a.weights.up;

@@ -21,6 +21,10 @@ struct ExpertFfnArgs {
   int64_t intermediate = 0;     // I, multiple of 64
   int64_t max_rows = 0;         // rows the buffers hold (multiple of kExpertFfnTileM)
   const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  // Optional, device [experts]: real (unpadded) rows of each expert. Where given, a warpgroup
+  // whose 64 rows of a tile are all padding skips its MMAs and stores, and those rows of h and
+  // y are left unwritten (no consumer reads them); halves the tensor work of decode-size batches.
+  const int32_t* expert_rows = nullptr;
   const __nv_bfloat16* x = nullptr;       // [max_rows, H]
   const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
   const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]

@@ -25,6 +25,7 @@ cudaError_t launch_expert_ffn_down(const ExpertFfnArgs& a, int32_t sm_count,
     return cudaErrorInvalidValue;
   gemm::GemmParams p;
   p.seg_offset = a.seg_offset;
+  p.expert_rows = a.expert_rows;
   p.experts = a.experts;
   p.n_out = static_cast<int32_t>(a.hidden);
   p.k = static_cast<int32_t>(a.intermediate);

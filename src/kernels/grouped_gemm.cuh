@@ -43,7 +43,8 @@ template <Epilogue kEpi>
 inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kBlockNMma / 2 : kBlockNMma;
 
 struct GemmParams {
-  const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  const int64_t* seg_offset = nullptr;   // device [experts + 1]
+  const int32_t* expert_rows = nullptr;  // device [experts], optional: real rows per expert
   int32_t experts = 0;
   int32_t n_out = 0;  // output columns (I for gate/up, H for down); multiple of 64
   int32_t k = 0;      // reduction length, multiple of kBlockK
@@ -96,10 +97,10 @@ __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int3
 }
 
 template <Epilogue kEpi, int kStages>
-__device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s, PipelineState<kStages>& ps,
-                                             const TileCoord& c, int32_t k_blocks,
-                                             const CUtensorMap* map_a, const CUtensorMap* map_b0,
-                                             const CUtensorMap* map_b1) {
+__device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s,
+                                             PipelineState<kStages>& ps, const TileCoord& c,
+                                             int32_t k_blocks, const CUtensorMap* map_a,
+                                             const CUtensorMap* map_b0, const CUtensorMap* map_b1) {
   constexpr uint32_t kBytes = (kBlockM + kBlockNMma) * kBlockK * 2;
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
@@ -109,11 +110,10 @@ __device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s, Pi
     if constexpr (kEpi == Epilogue::kSwiGLU) {
       constexpr int kHalf = kBlockNMma / 2;
       ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kHalf, c.expert, full);
-      ptx::tma_load_3d(s.b[ps.stage] + kHalf * kBlockK * 2, map_b1, kb * kBlockK,
-                       c.n_tile * kHalf, c.expert, full);
+      ptx::tma_load_3d(s.b[ps.stage] + kHalf * kBlockK * 2, map_b1, kb * kBlockK, c.n_tile * kHalf,
+                       c.expert, full);
     } else {
-      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kBlockNMma, c.expert,
-                       full);
+      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kBlockNMma, c.expert, full);
     }
   }
 }
@@ -122,9 +122,19 @@ __device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s, Pi
 template <Epilogue kEpi, int kStages>
 __device__ __forceinline__ void consume_tile(SharedStorage<kEpi, kStages>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
-                                             int32_t k_blocks, int wg, const CUtensorMap* map_out) {
-  float acc[kBlockNMma / 2];
+                                             int32_t k_blocks, int wg, bool rows_real,
+                                             const CUtensorMap* map_out) {
   const int tid = threadIdx.x % 128;
+  if (!rows_real) {
+    // NOTES: all 64 rows are segment padding (decode-size batches): keep the pipeline's
+    // protocol (every stage consumed and released) without touching the tensor cores.
+    for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
+      ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
+      if (tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
+    }
+    return;
+  }
+  float acc[kBlockNMma / 2];
   // NOTES: release stage kb-1 only after the wgmma group of kb is issued and kb-1's has
   // retired (wait_group 1): the tensor cores always have the next k-block queued.
   PipelineState<kStages> release = ps;
@@ -231,9 +241,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
-    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
-      consume_tile<kEpi>(s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.experts),
-                         k_blocks, wg - 1, &map_out);
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.experts);
+      const int64_t first_row = int64_t{c.m_tile} * kBlockM + (wg - 1) * 64;
+      const bool rows_real =
+          !p.expert_rows || first_row < p.seg_offset[c.expert] + p.expert_rows[c.expert];
+      consume_tile<kEpi>(s, ps, c, k_blocks, wg - 1, rows_real, &map_out);
+    }
     if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }
 }

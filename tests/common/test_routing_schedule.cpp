@@ -613,5 +613,27 @@ TEST(RoutingSchedule, DestinationsTogetherPullEveryValidSlotExactlyOnce) {
   }
 }
 
+// (l) The device marks a segment's padding with a warp: lanes [0, lanes) of fill_padding must
+// mark exactly the rows one thread does, and nothing else.
+TEST(RoutingSchedule, PaddingSplitOverLanesMarksTheSameRows) {
+  for_each_table([](const Case& c, int32_t dest, const PullTable& t,
+                    const Oracle&) -> AssertionResult {
+    for (const int32_t lanes : {2, 32}) {
+      std::vector<PullRow> rows = t.rows;
+      for (PullRow& r : rows)
+        if (is_padding(r)) r = PullRow{c.world, 0};  // not a row any table holds
+      for (int32_t e = 0; e < c.experts_per_rank; ++e)
+        for (int32_t lane = 0; lane < lanes; ++lane)
+          fill_padding(c.shape(dest), t.counts.data(), t.seg_offset.data(), e, rows.data(), lane,
+                       lanes);
+      for (size_t r = 0; r < rows.size(); ++r)
+        if (!same_row(rows[r], t.rows[r]))
+          return AssertionFailure() << lanes << " lanes, row " << r << ": " << str(rows[r])
+                                    << ", want " << str(t.rows[r]);
+    }
+    return AssertionSuccess();
+  });
+}
+
 }  // namespace
 }  // namespace epflow::sched
