@@ -12,14 +12,16 @@ constexpr auto kEpi = gemm::Epilogue::kStore;
 
 cudaError_t launch_expert_ffn_down(const ExpertFfnArgs& a, int32_t sm_count,
                                    cudaStream_t stream) {
-  CUtensorMap map_h, map_down, map_y;
+  CUtensorMap map_h, map_h_rows, map_down, map_y;
   const uint64_t h_dims[2] = {uint64_t(a.intermediate), uint64_t(a.max_rows)};
   const uint32_t h_box[2] = {gemm::kBlockK, gemm::kBlockM};
   const uint64_t w_dims[3] = {uint64_t(a.intermediate), uint64_t(a.hidden), uint64_t(a.experts)};
   const uint32_t w_box[3] = {gemm::kBlockK, gemm::kBlockNMma, 1};
   const uint64_t y_dims[2] = {uint64_t(a.hidden), uint64_t(a.max_rows)};
   const uint32_t out_box[2] = {64, 64};
+  const uint32_t h_rows_box[2] = {gemm::kBlockK, gemm::kRowBoxM};
   if (!encode_bf16_tensor_map(&map_h, a.h, 2, h_dims, h_box).ok() ||
+      !encode_bf16_tensor_map(&map_h_rows, a.h, 2, h_dims, h_rows_box).ok() ||
       !encode_bf16_tensor_map(&map_down, a.w_down, 3, w_dims, w_box).ok() ||
       !encode_bf16_tensor_map(&map_y, a.y, 2, y_dims, out_box).ok())
     return cudaErrorInvalidValue;
@@ -38,7 +40,7 @@ cudaError_t launch_expert_ffn_down(const ExpertFfnArgs& a, int32_t sm_count,
                                            static_cast<int>(smem));
       e != cudaSuccess)
     return e;
-  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_h, map_down, map_down, map_y, p);
+  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_h, map_h_rows, map_down, map_down, map_y, p);
   return cudaGetLastError();
 }
 

@@ -12,14 +12,16 @@ constexpr auto kEpi = gemm::Epilogue::kSwiGLU;
 
 cudaError_t launch_expert_ffn_gate_up(const ExpertFfnArgs& a, int32_t sm_count,
                                       cudaStream_t stream) {
-  CUtensorMap map_x, map_gate, map_up, map_h;
+  CUtensorMap map_x, map_x_rows, map_gate, map_up, map_h;
   const uint64_t x_dims[2] = {uint64_t(a.hidden), uint64_t(a.max_rows)};
   const uint32_t x_box[2] = {gemm::kBlockK, gemm::kBlockM};
   const uint64_t w_dims[3] = {uint64_t(a.hidden), uint64_t(a.intermediate), uint64_t(a.experts)};
   const uint32_t w_box[3] = {gemm::kBlockK, gemm::kBlockNMma / 2, 1};
   const uint64_t h_dims[2] = {uint64_t(a.intermediate), uint64_t(a.max_rows)};
   const uint32_t out_box[2] = {64, 64};
+  const uint32_t x_rows_box[2] = {gemm::kBlockK, gemm::kRowBoxM};
   if (!encode_bf16_tensor_map(&map_x, a.x, 2, x_dims, x_box).ok() ||
+      !encode_bf16_tensor_map(&map_x_rows, a.x, 2, x_dims, x_rows_box).ok() ||
       !encode_bf16_tensor_map(&map_gate, a.w_gate, 3, w_dims, w_box).ok() ||
       !encode_bf16_tensor_map(&map_up, a.w_up, 3, w_dims, w_box).ok() ||
       !encode_bf16_tensor_map(&map_h, a.h, 2, h_dims, out_box).ok())
@@ -39,7 +41,7 @@ cudaError_t launch_expert_ffn_gate_up(const ExpertFfnArgs& a, int32_t sm_count,
                                            static_cast<int>(smem));
       e != cudaSuccess)
     return e;
-  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_x, map_gate, map_up, map_h, p);
+  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_x, map_x_rows, map_gate, map_up, map_h, p);
   return cudaGetLastError();
 }
 

@@ -79,12 +79,16 @@ struct PipelineState {
 
 struct TileCoord {
   int32_t m_tile, n_tile, expert;
+  int32_t rows;  // rows of the tile that hold routed data (kBlockM when not known)
 };
+
+inline constexpr int kRowBoxM = 16;  // granularity of partial row loads (decode-size tiles)
 
 // Tile t of the walk: bands of kGroupM row tiles; inside a band, row tiles vary fastest, so the
 // CTAs running at once share weight tiles (same expert, same n) through L2.
 __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int32_t n_tiles,
-                                                const int64_t* seg_offset, int32_t experts) {
+                                                const int64_t* seg_offset,
+                                                const int32_t* expert_rows, int32_t experts) {
   const int64_t band_tiles = int64_t{kGroupM} * n_tiles;
   const int32_t band = static_cast<int32_t>(t / band_tiles);
   const int32_t in_band = static_cast<int32_t>(t % band_tiles);
@@ -93,6 +97,12 @@ __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int3
   c.m_tile = band * kGroupM + in_band % band_m;
   c.n_tile = in_band / band_m;
   c.expert = sched::expert_of_row(seg_offset, experts, int64_t{c.m_tile} * kBlockM);
+  c.rows = kBlockM;
+  if (expert_rows) {
+    const int64_t left =
+        seg_offset[c.expert] + expert_rows[c.expert] - int64_t{c.m_tile} * kBlockM;
+    c.rows = static_cast<int32_t>(left < kBlockM ? left : kBlockM);  // >= 1: no all-padding tile
+  }
   return c;
 }
 
@@ -100,13 +110,26 @@ template <Epilogue kEpi, int kStages>
 __device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, const CUtensorMap* map_a,
+                                             const CUtensorMap* map_a_rows,
                                              const CUtensorMap* map_b0, const CUtensorMap* map_b1) {
-  constexpr uint32_t kBytes = (kBlockM + kBlockNMma) * kBlockK * 2;
+  // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
+  // sizes) loads only whole 16-row boxes covering them: the rest of the A stage keeps stale
+  // data, which only feeds output rows that are padding (never read: combine skips them).
+  const bool full_rows = c.rows == kBlockM;
+  const int32_t row_boxes = (c.rows + kRowBoxM - 1) / kRowBoxM;
+  const uint32_t a_bytes = (full_rows ? kBlockM : row_boxes * kRowBoxM) * kBlockK * 2;
+  const uint32_t bytes = a_bytes + kBlockNMma * kBlockK * 2;
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
     uint64_t* full = &s.full[ps.stage];
-    ptx::mbarrier_arrive_expect_tx(full, kBytes);
-    ptx::tma_load_2d(s.a[ps.stage], map_a, kb * kBlockK, c.m_tile * kBlockM, full);
+    ptx::mbarrier_arrive_expect_tx(full, bytes);
+    if (full_rows) {
+      ptx::tma_load_2d(s.a[ps.stage], map_a, kb * kBlockK, c.m_tile * kBlockM, full);
+    } else {
+      for (int32_t box = 0; box < row_boxes; ++box)
+        ptx::tma_load_2d(s.a[ps.stage] + box * kRowBoxM * kBlockK * 2, map_a_rows, kb * kBlockK,
+                         c.m_tile * kBlockM + box * kRowBoxM, full);
+    }
     if constexpr (kEpi == Epilogue::kSwiGLU) {
       constexpr int kHalf = kBlockNMma / 2;
       ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kHalf, c.expert, full);
@@ -122,10 +145,10 @@ __device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s,
 template <Epilogue kEpi, int kStages>
 __device__ __forceinline__ void consume_tile(SharedStorage<kEpi, kStages>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
-                                             int32_t k_blocks, int wg, bool rows_real,
+                                             int32_t k_blocks, int wg,
                                              const CUtensorMap* map_out) {
   const int tid = threadIdx.x % 128;
-  if (!rows_real) {
+  if (c.rows <= wg * 64) {
     // NOTES: all 64 rows are segment padding (decode-size batches): keep the pipeline's
     // protocol (every stage consumed and released) without touching the tensor cores.
     for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
@@ -205,6 +228,7 @@ __device__ __forceinline__ void consume_tile(SharedStorage<kEpi, kStages>& s,
 template <Epilogue kEpi, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_a_rows,
                         const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1,
                         const __grid_constant__ CUtensorMap map_out, const GemmParams p) {
@@ -219,6 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     ptx::mbarrier_init_fence();
     ptx::prefetch_tensor_map(&map_a);
+    ptx::prefetch_tensor_map(&map_a_rows);
     ptx::prefetch_tensor_map(&map_b0);
     if constexpr (kEpi == Epilogue::kSwiGLU) ptx::prefetch_tensor_map(&map_b1);
     ptx::prefetch_tensor_map(&map_out);
@@ -236,17 +261,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0) {
       for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
-        produce_tile<kEpi>(s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.experts),
-                           k_blocks, &map_a, &map_b0, &map_b1);
+        produce_tile<kEpi>(
+            s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts),
+            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1);
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.experts);
-      const int64_t first_row = int64_t{c.m_tile} * kBlockM + (wg - 1) * 64;
-      const bool rows_real =
-          !p.expert_rows || first_row < p.seg_offset[c.expert] + p.expert_rows[c.expert];
-      consume_tile<kEpi>(s, ps, c, k_blocks, wg - 1, rows_real, &map_out);
+      const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts);
+      consume_tile<kEpi>(s, ps, c, k_blocks, wg - 1, &map_out);
     }
     if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }

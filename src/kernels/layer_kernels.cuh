@@ -47,8 +47,8 @@ struct BarrierArgs {
 };
 cudaError_t launch_rank_barrier(const BarrierArgs& args, cudaStream_t stream);
 
-// Pull dispatch: routed_x[row] = x of row's (src_rank, token) read from src_rank's window;
-// padding rows are zero-filled. Rows at or past seg_offset[experts] are not touched.
+// Pull dispatch: routed_x[row] = x of row's (src_rank, token) read from src_rank's window.
+// Padding rows and rows at or past seg_offset[experts] are not touched.
 struct DispatchArgs {
   PeerWindows peers;
   size_t x_offset = 0;

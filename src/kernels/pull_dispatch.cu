@@ -18,11 +18,10 @@ __global__ void __launch_bounds__(kThreads) pull_dispatch_kernel(DispatchArgs a)
   for (int64_t row = int64_t{blockIdx.x} * (kThreads / 32) + threadIdx.x / 32; row < total;
        row += warps) {
     const sched::PullRow r = a.table[row];
+    // Padding rows are left as they are: they only feed padding output rows, which the GEMM
+    // skips where it can and the combine never reads.
+    if (r.src_rank == sched::kPaddingRow) continue;
     int4* dst = reinterpret_cast<int4*>(a.routed_x + row * a.hidden);
-    if (r.src_rank == sched::kPaddingRow) {
-      for (int64_t i = lane; i < vecs; i += 32) dst[i] = make_int4(0, 0, 0, 0);
-      continue;
-    }
     const int64_t token = r.src_slot / a.top_k;
     const auto* src = reinterpret_cast<const int4*>(a.peers.base[r.src_rank] + a.x_offset +
                                                     token * a.hidden * 2);
