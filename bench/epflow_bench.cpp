@@ -101,13 +101,7 @@ int run_cpu_reference(const Options& o, const char* why) {
   std::printf("epflow-bench: %s\n", why);
   std::printf("running the CPU reference layer (fp32 storage, double accumulation) instead\n");
 
-  LayerConfig c;
-  c.hidden = p->hidden;
-  c.intermediate = p->intermediate;
-  c.num_experts = p->experts_per_rank * ep;
-  c.top_k = p->top_k;
-  c.ep_size = ep;
-  c.max_tokens_per_rank = tokens;
+  const LayerConfig c = bench::layer_config(*p, ep, tokens);
   if (Status s = validate(c); !s.ok()) {
     std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
     return 2;
@@ -296,13 +290,7 @@ int run_gpu(const Options& o, int devices) {
       return 2;
     }
     for (int64_t T : token_list) {
-      LayerConfig c;
-      c.hidden = p->hidden;
-      c.intermediate = p->intermediate;
-      c.num_experts = p->experts_per_rank * ep;
-      c.top_k = p->top_k;
-      c.ep_size = ep;
-      c.max_tokens_per_rank = T;
+      const LayerConfig c = bench::layer_config(*p, ep, T);
       synthetic::InputSpec spec;
       spec.tokens_per_rank.assign(ep, T);
       spec.seed = o.seed;

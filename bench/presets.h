@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "epflow/config.h"
+
 namespace epflow::bench {
 
 struct Preset {
@@ -32,6 +34,18 @@ inline const std::vector<Preset>& presets() {
       {"tiny", 256, 128, 16, 4, 8},
   };
   return all;
+}
+
+// The layer config of a preset at EP size `ep`, keeping the preset's experts per rank.
+inline LayerConfig layer_config(const Preset& p, int32_t ep, int64_t max_tokens_per_rank) {
+  LayerConfig c;
+  c.hidden = p.hidden;
+  c.intermediate = p.intermediate;
+  c.num_experts = p.experts_per_rank * ep;
+  c.top_k = p.top_k;
+  c.ep_size = ep;
+  c.max_tokens_per_rank = max_tokens_per_rank;
+  return c;
 }
 
 inline const Preset* find_preset(const std::string& name) {

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "common/routing_schedule.h"
+#include "host/tensor_map.h"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/ptx/wgmma.cuh"
 
@@ -278,6 +279,36 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <Epilogue kEpi, int kStages>
 constexpr size_t shared_bytes() {
   return sizeof(SharedStorage<kEpi, kStages>) + 1024;  // + alignment slack of the window
+}
+
+// Host side: maps the row operand `rows` [max_rows, p.k] and the output `out` [max_rows,
+// p.n_out], then launches the persistent kernel on at most sm_count CTAs. map_b0/map_b1: the
+// weight tiles (kSwiGLU: gate and up, 128 rows each; kStore: one map of 256-row tiles).
+template <Epilogue kEpi, int kStages>
+cudaError_t launch_grouped_gemm(const void* rows, int64_t max_rows, const CUtensorMap& map_b0,
+                                const CUtensorMap& map_b1, void* out, const GemmParams& p,
+                                int32_t sm_count, cudaStream_t stream) {
+  CUtensorMap map_a, map_a_rows, map_out;
+  const uint64_t a_dims[2] = {uint64_t(p.k), uint64_t(max_rows)};
+  const uint32_t a_box[2] = {kBlockK, kBlockM};
+  const uint32_t a_rows_box[2] = {kBlockK, kRowBoxM};
+  const uint64_t out_dims[2] = {uint64_t(p.n_out), uint64_t(max_rows)};
+  const uint32_t out_box[2] = {64, 64};
+  if (!encode_bf16_tensor_map(&map_a, rows, 2, a_dims, a_box).ok() ||
+      !encode_bf16_tensor_map(&map_a_rows, rows, 2, a_dims, a_rows_box).ok() ||
+      !encode_bf16_tensor_map(&map_out, out, 2, out_dims, out_box).ok())
+    return cudaErrorInvalidValue;
+  const int64_t max_tiles =
+      max_rows / kBlockM * ((p.n_out + kOutCols<kEpi> - 1) / kOutCols<kEpi>);
+  const int grid = static_cast<int>(max_tiles < sm_count ? max_tiles : sm_count);
+  auto* kernel = grouped_gemm_kernel<kEpi, kStages>;
+  constexpr size_t smem = shared_bytes<kEpi, kStages>();
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      e != cudaSuccess)
+    return e;
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_a_rows, map_b0, map_b1, map_out, p);
+  return cudaGetLastError();
 }
 
 }  // namespace epflow::kernels::gemm

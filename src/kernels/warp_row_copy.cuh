@@ -1,10 +1,33 @@
-// A warp copies one row of 16-byte vectors (local HBM or a peer's NVLink-mapped memory), with
-// several loads in flight per lane before the first store so the link stays busy.
+// Moving routed rows between GPUs: a warp per pull-table row, each row copied as 16-byte vectors
+// (local HBM or a peer's NVLink-mapped memory) with several loads in flight per lane before the
+// first store so the link stays busy.
 #pragma once
 
 #include <cstdint>
 
+#include "common/routing_schedule.h"
+
 namespace epflow::kernels {
+
+inline constexpr int kRowMoverThreads = 256;
+
+// Calls move(row, entry, lane) for every non-padding row below seg_offset[experts], a warp per
+// row. NOTES: warps take rows in table order, so the rows in flight at one moment are neighbours
+// in the table, which the schedule interleaved across source ranks: the NVLink traffic of one
+// moment spreads over all peers.
+template <typename Move>
+__device__ __forceinline__ void for_each_routed_row(const sched::PullRow* table,
+                                                    const int64_t* seg_offset, int32_t experts,
+                                                    Move move) {
+  constexpr int kWarps = kRowMoverThreads / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t total = seg_offset[experts];
+  for (int64_t row = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; row < total;
+       row += int64_t{gridDim.x} * kWarps) {
+    const sched::PullRow r = table[row];
+    if (r.src_rank != sched::kPaddingRow) move(row, r, lane);
+  }
+}
 
 template <int kUnroll = 4>
 __device__ __forceinline__ void warp_copy_row(const int4* __restrict__ src, int4* __restrict__ dst,
