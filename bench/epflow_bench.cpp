@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "device_fill.cuh"
+#include "bench_inputs.h"
 #include "epflow/communicator.h"
 #include "epflow/epflow.h"
 #include "host/layer_internals.h"
@@ -175,11 +175,11 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-Status bench_rank(const LayerConfig& c, const std::vector<reference::RankInput>& inputs,
+Status bench_rank(const LayerConfig& c, const std::vector<bench::Routing>& routing, int64_t T,
                   const Options& o, ncclComm_t comm, RankResult* out) {
   std::unique_ptr<Layer> layer;
   EPFLOW_RETURN_IF_ERROR(Layer::create(c, comm, &layer));
-  const int64_t T = inputs[c.ep_rank].num_tokens, H = c.hidden, I = c.intermediate;
+  const int64_t H = c.hidden, I = c.intermediate;
   const int64_t E = c.experts_per_rank(), K = c.top_k;
   std::vector<void*> buffers;
   auto alloc = [&](size_t bytes) {
@@ -198,12 +198,18 @@ Status bench_rank(const LayerConfig& c, const std::vector<reference::RankInput>&
   if (buffers.size() != 7) return Status(StatusCode::kCudaError, "cudaMalloc of bench buffers");
   cudaStream_t stream;
   cudaStreamCreate(&stream);
-  const uint64_t seed = o.seed * 1000 + c.ep_rank;
-  bench::fill_uniform_bf16(gate, E * I * H, 1.0f / std::sqrt(float(H)), seed + 1, stream);
-  bench::fill_uniform_bf16(up, E * I * H, 1.0f / std::sqrt(float(H)), seed + 2, stream);
-  bench::fill_uniform_bf16(down, E * H * I, 1.0f / std::sqrt(float(I)), seed + 3, stream);
-  bench::fill_uniform_bf16(x, T * H, 1.0f, seed + 4, stream);
-  const auto& in = inputs[c.ep_rank];
+  // The inputs every system of the comparison sees (bench/bench_inputs.h).
+  const uint32_t rank = static_cast<uint32_t>(c.ep_rank);
+  using bench::InputStream;
+  bench::fill_uniform_bf16(gate, E * I * H, bench::fan_in_scale(H),
+                           bench::stream_key(o.seed, InputStream::kGate, rank), stream);
+  bench::fill_uniform_bf16(up, E * I * H, bench::fan_in_scale(H),
+                           bench::stream_key(o.seed, InputStream::kUp, rank), stream);
+  bench::fill_uniform_bf16(down, E * H * I, bench::fan_in_scale(I),
+                           bench::stream_key(o.seed, InputStream::kDown, rank), stream);
+  bench::fill_uniform_bf16(x, T * H, 1.0f, bench::stream_key(o.seed, InputStream::kX, rank),
+                           stream);
+  const auto& in = routing[c.ep_rank];
   cudaMemcpy(idx, in.topk_idx.data(), T * K * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(tw, in.topk_weights.data(), T * K * 4, cudaMemcpyHostToDevice);
 
@@ -246,7 +252,7 @@ Status bench_rank(const LayerConfig& c, const std::vector<reference::RankInput>&
 }
 
 // Routed rows per rank and the share that crosses NVLink, counted from the routing itself.
-void count_traffic(const LayerConfig& c, const std::vector<reference::RankInput>& inputs,
+void count_traffic(const LayerConfig& c, const std::vector<bench::Routing>& inputs,
                    std::vector<RankResult>* results) {
   const int32_t E = c.experts_per_rank();
   for (int32_t src = 0; src < c.ep_size; ++src)
@@ -291,19 +297,17 @@ int run_gpu(const Options& o, int devices) {
     }
     for (int64_t T : token_list) {
       const LayerConfig c = bench::layer_config(*p, ep, T);
-      synthetic::InputSpec spec;
-      spec.tokens_per_rank.assign(ep, T);
-      spec.seed = o.seed;
-      auto inputs = synthetic::make_inputs(c, spec);
-      for (auto& in : inputs) in.x.clear();  // x is generated on the device
+      std::vector<bench::Routing> routing;
+      for (int32_t r = 0; r < ep; ++r)
+        routing.push_back(bench::make_routing(o.seed, r, T, c.num_experts, c.top_k));
       std::vector<RankResult> results(ep);
-      count_traffic(c, inputs, &results);
+      count_traffic(c, routing, &results);
       std::mutex mu;
       const Status s = run_on_local_gpus(ep, [&](int rank, ncclComm_t comm) {
         LayerConfig rc = c;
         rc.ep_rank = rank;
         RankResult r;
-        Status st = bench_rank(rc, inputs, o, comm, &r);
+        Status st = bench_rank(rc, routing, T, o, comm, &r);
         std::lock_guard<std::mutex> lock(mu);
         results[rank].total_us = r.total_us;
         std::copy(r.stage_us, r.stage_us + kStages, results[rank].stage_us);

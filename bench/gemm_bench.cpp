@@ -37,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-#include "device_fill.cuh"
+#include "bench_inputs.h"
 #include "kernels/expert_ffn.cuh"
 #include "presets.h"
 #include "swiglu_baseline.cuh"
