@@ -1,21 +1,28 @@
 // epflow-bench: the main job. On GPUs it runs the EPFlow layer on every GPU present (EP = GPU
 // count unless --ep says fewer), a thread per GPU, and prints the median time and TFLOP/s per GPU
 // of the whole layer and of each stage, and the NVLink bytes and GB/s of dispatch and combine.
+// After EPFlow, in the same process, on the same inputs (bench/bench_inputs.h, generated again
+// into each system's own buffers), it times the baselines of --baselines and checks their output
+// against EPFlow's on a few tokens. --check compares both with the CPU reference on a small shape.
 // Without a GPU it runs the CPU reference layer on a small preset and says so.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "baselines/nccl_cublas_moe.h"
 #include "bench_inputs.h"
 #include "epflow/communicator.h"
 #include "epflow/epflow.h"
@@ -29,6 +36,9 @@ namespace {
 
 using namespace epflow;
 
+constexpr const char* kNcclCublas = "nccl-cublas";
+constexpr double kRelTol = 2e-2;  // relative-norm tolerance of every output check
+
 struct Options {
   std::vector<std::string> presets;  // empty: deepseek-v3 on GPUs, tiny on the CPU reference
   std::vector<int64_t> tokens;       // per rank; empty: 4096 on GPUs, 64 on the CPU reference
@@ -36,13 +46,20 @@ struct Options {
   int32_t warmup = 5;
   int32_t iters = 20;
   uint64_t seed = 1;
-  std::string json;  // write results here as JSON
+  std::string json;                                    // write results here as JSON
+  std::vector<std::string> baselines = {kNcclCublas};  // timed after EPFlow
+  bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
 };
 
 void usage() {
   std::printf(
       "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
-      "                    [--warmup N] [--seed S] [--json PATH]\n"
+      "                    [--warmup N] [--seed S] [--json PATH] [--baselines LIST] [--check]\n"
+      "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas (default),\n"
+      "               or none\n"
+      "  --check      compare EPFlow's and the baselines' outputs with the CPU reference on a\n"
+      "               small shape (default: preset tiny, 64 tokens, EP 2 if 2 GPUs, else 1);\n"
+      "               exit 1 on a mismatch\n"
       "  presets:");
   for (const auto& p : bench::presets()) std::printf(" %s", p.name.c_str());
   std::printf("\n");
@@ -59,24 +76,38 @@ std::vector<std::string> split(const std::string& s) {
 bool parse(int argc, char** argv, Options* o) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--check") {
+      o->check = true;
+      continue;
+    }
     if (i + 1 >= argc) return false;
     const std::string v = argv[++i];
-    if (a == "--preset")
+    if (a == "--preset") {
       o->presets = split(v);
-    else if (a == "--tokens")
+    } else if (a == "--tokens") {
       for (const auto& t : split(v)) o->tokens.push_back(std::atoll(t.c_str()));
-    else if (a == "--ep")
+    } else if (a == "--ep") {
       o->ep = std::atoi(v.c_str());
-    else if (a == "--iters")
+    } else if (a == "--iters") {
       o->iters = std::atoi(v.c_str());
-    else if (a == "--warmup")
+    } else if (a == "--warmup") {
       o->warmup = std::atoi(v.c_str());
-    else if (a == "--seed")
+    } else if (a == "--seed") {
       o->seed = std::strtoull(v.c_str(), nullptr, 10);
-    else if (a == "--json")
+    } else if (a == "--json") {
       o->json = v;
-    else
+    } else if (a == "--baselines") {
+      o->baselines = split(v);
+      if (o->baselines == std::vector<std::string>{"none"}) {
+        o->baselines.clear();
+      } else if (o->baselines.empty() ||
+                 std::any_of(o->baselines.begin(), o->baselines.end(),
+                             [](const std::string& b) { return b != kNcclCublas; })) {
+        return false;
+      }
+    } else {
       return false;
+    }
   }
   return o->iters > 0 && o->warmup >= 0;
 }
@@ -159,6 +190,7 @@ int run_cpu_reference(const Options& o, const char* why) {
 constexpr int kStages = 4;
 const char* const kStageNames[kStages] = {"metadata+schedule", "dispatch", "expert FFN",
                                           "combine+sum"};
+static_assert(bench::NcclCublasMoe::kStages == kStages, "the baseline reports the same stages");
 
 struct RankResult {
   double total_us = 0;
@@ -175,80 +207,204 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-Status bench_rank(const LayerConfig& c, const std::vector<bench::Routing>& routing, int64_t T,
-                  const Options& o, ncclComm_t comm, RankResult* out) {
+Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok_status();
+  return error_status(StatusCode::kCudaError, what, ": ", cudaGetErrorName(e), " (",
+                      cudaGetErrorString(e), ")");
+}
+
+class Stream {
+ public:
+  Stream() = default;
+  ~Stream() {
+    if (s_) cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  Status create() { return cuda_status(cudaStreamCreate(&s_), "cudaStreamCreate"); }
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// One system's copy of a rank's inputs (the same numbers for every system: bench_inputs.h) and
+// its output y, freed together.
+class RankData {
+ public:
+  RankData() = default;
+  ~RankData() {
+    for (void* p : buffers_) cudaFree(p);
+  }
+  RankData(const RankData&) = delete;
+  RankData& operator=(const RankData&) = delete;
+
+  Status create(const LayerConfig& c, const bench::Routing& routing, int64_t T, uint64_t seed,
+                cudaStream_t stream) {
+    const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank(), K = c.top_k;
+    EPFLOW_RETURN_IF_ERROR(alloc(&gate_, E * I * H, "cudaMalloc (W_gate)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&up_, E * I * H, "cudaMalloc (W_up)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&down_, E * H * I, "cudaMalloc (W_down)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&x_, T * H, "cudaMalloc (x)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&y_, T * H, "cudaMalloc (y)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&idx_, T * K, "cudaMalloc (topk_idx)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&tw_, T * K, "cudaMalloc (topk_weights)"));
+    const uint32_t rank = static_cast<uint32_t>(c.ep_rank);
+    using bench::InputStream;
+    struct Fill {
+      __nv_bfloat16* dst;
+      int64_t count;
+      float scale;
+      InputStream stream;
+    };
+    for (const Fill& f : {Fill{gate_, E * I * H, bench::fan_in_scale(H), InputStream::kGate},
+                          Fill{up_, E * I * H, bench::fan_in_scale(H), InputStream::kUp},
+                          Fill{down_, E * H * I, bench::fan_in_scale(I), InputStream::kDown},
+                          Fill{x_, T * H, 1.0f, InputStream::kX}})
+      EPFLOW_RETURN_IF_ERROR(
+          cuda_status(bench::fill_uniform_bf16(f.dst, f.count, f.scale,
+                                               bench::stream_key(seed, f.stream, rank), stream),
+                      "fill_uniform_bf16"));
+    // All-ones bytes are bf16 NaNs: a row of y the system never writes fails the checks.
+    EPFLOW_RETURN_IF_ERROR(
+        cuda_status(cudaMemsetAsync(y_, 0xFF, T * H * 2, stream), "cudaMemsetAsync (y)"));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(
+        cudaMemcpyAsync(idx_, routing.topk_idx.data(), T * K * 4, cudaMemcpyHostToDevice, stream),
+        "cudaMemcpyAsync (topk_idx)"));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(tw_, routing.topk_weights.data(), T * K * 4,
+                                                       cudaMemcpyHostToDevice, stream),
+                                       "cudaMemcpyAsync (topk_weights)"));
+    args_.num_tokens = T;
+    args_.x = x_;
+    args_.topk_idx = idx_;
+    args_.topk_weights = tw_;
+    args_.weights = {gate_, up_, down_};
+    args_.y = y_;
+    return cuda_status(cudaStreamSynchronize(stream), "generating the bench inputs");
+  }
+  const ForwardArgs& args() const { return args_; }
+
+ private:
+  template <typename T>
+  Status alloc(T** p, int64_t count, const char* what) {
+    void* raw = nullptr;
+    EPFLOW_RETURN_IF_ERROR(
+        cuda_status(cudaMalloc(&raw, std::max<size_t>(count * sizeof(T), 16)), what));
+    buffers_.push_back(raw);
+    *p = static_cast<T*>(raw);
+    return Status::ok_status();
+  }
+  std::vector<void*> buffers_;
+  __nv_bfloat16 *gate_ = nullptr, *up_ = nullptr, *down_ = nullptr, *x_ = nullptr, *y_ = nullptr;
+  int32_t* idx_ = nullptr;
+  float* tw_ = nullptr;
+  ForwardArgs args_;
+};
+
+// kStages + 1 events per iteration: its start, then the end of each stage.
+class IterationEvents {
+ public:
+  IterationEvents() = default;
+  ~IterationEvents() {
+    for (cudaEvent_t e : ev_)
+      if (e) cudaEventDestroy(e);
+  }
+  IterationEvents(const IterationEvents&) = delete;
+  IterationEvents& operator=(const IterationEvents&) = delete;
+
+  Status create(int iterations) {
+    ev_.assign(static_cast<size_t>(iterations) * (kStages + 1), nullptr);
+    for (cudaEvent_t& e : ev_)
+      EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&e), "cudaEventCreate"));
+    return Status::ok_status();
+  }
+  const cudaEvent_t* marks(int i) const { return ev_.data() + i * (kStages + 1); }
+
+  // Median of the whole and of each stage over the iterations after `warmup` (all recorded).
+  Status summarize(int warmup, RankResult* out) const {
+    std::vector<double> total, stage[kStages];
+    for (int i = warmup; i < static_cast<int>(ev_.size()) / (kStages + 1); ++i) {
+      const cudaEvent_t* m = marks(i);
+      float ms = 0;
+      EPFLOW_RETURN_IF_ERROR(
+          cuda_status(cudaEventElapsedTime(&ms, m[0], m[kStages]), "cudaEventElapsedTime"));
+      total.push_back(ms * 1e3);
+      for (int s = 0; s < kStages; ++s) {
+        EPFLOW_RETURN_IF_ERROR(
+            cuda_status(cudaEventElapsedTime(&ms, m[s], m[s + 1]), "cudaEventElapsedTime"));
+        stage[s].push_back(ms * 1e3);
+      }
+    }
+    out->total_us = median(total);
+    for (int s = 0; s < kStages; ++s) out->stage_us[s] = median(stage[s]);
+    return Status::ok_status();
+  }
+
+ private:
+  std::vector<cudaEvent_t> ev_;
+};
+
+// The rows of `tokens` of y [T, H] as floats, token after token.
+Status fetch_rows(const __nv_bfloat16* y, const std::vector<int64_t>& tokens, int64_t H,
+                  cudaStream_t stream, std::vector<float>* out) {
+  std::vector<uint16_t> raw(tokens.size() * H);
+  for (size_t i = 0; i < tokens.size(); ++i)
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(raw.data() + i * H, y + tokens[i] * H, H * 2,
+                                                       cudaMemcpyDeviceToHost, stream),
+                                       "cudaMemcpyAsync (y rows to host)"));
+  EPFLOW_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream), "fetching y rows"));
+  out->resize(raw.size());
+  std::transform(raw.begin(), raw.end(), out->begin(),
+                 [](uint16_t b) { return std::bit_cast<float>(uint32_t{b} << 16); });
+  return Status::ok_status();
+}
+
+// EPFlow on this rank: timing of the layer and its stages, and the rows of y of `checked`.
+Status bench_epflow_rank(const LayerConfig& c, const std::vector<bench::Routing>& routing,
+                         int64_t T, const Options& o, ncclComm_t comm,
+                         const std::vector<int64_t>& checked, RankResult* out,
+                         std::vector<float>* y_rows) {
   std::unique_ptr<Layer> layer;
   EPFLOW_RETURN_IF_ERROR(Layer::create(c, comm, &layer));
-  const int64_t H = c.hidden, I = c.intermediate;
-  const int64_t E = c.experts_per_rank(), K = c.top_k;
-  std::vector<void*> buffers;
-  auto alloc = [&](size_t bytes) {
-    void* p = nullptr;
-    if (cudaMalloc(&p, std::max<size_t>(bytes, 16)) != cudaSuccess) return p;
-    buffers.push_back(p);
-    return p;
-  };
-  auto* gate = static_cast<__nv_bfloat16*>(alloc(E * I * H * 2));
-  auto* up = static_cast<__nv_bfloat16*>(alloc(E * I * H * 2));
-  auto* down = static_cast<__nv_bfloat16*>(alloc(E * H * I * 2));
-  auto* x = static_cast<__nv_bfloat16*>(alloc(T * H * 2));
-  auto* y = static_cast<__nv_bfloat16*>(alloc(T * H * 2));
-  auto* idx = static_cast<int32_t*>(alloc(T * K * 4));
-  auto* tw = static_cast<float*>(alloc(T * K * 4));
-  if (buffers.size() != 7) return Status(StatusCode::kCudaError, "cudaMalloc of bench buffers");
-  cudaStream_t stream;
-  cudaStreamCreate(&stream);
-  // The inputs every system of the comparison sees (bench/bench_inputs.h).
-  const uint32_t rank = static_cast<uint32_t>(c.ep_rank);
-  using bench::InputStream;
-  bench::fill_uniform_bf16(gate, E * I * H, bench::fan_in_scale(H),
-                           bench::stream_key(o.seed, InputStream::kGate, rank), stream);
-  bench::fill_uniform_bf16(up, E * I * H, bench::fan_in_scale(H),
-                           bench::stream_key(o.seed, InputStream::kUp, rank), stream);
-  bench::fill_uniform_bf16(down, E * H * I, bench::fan_in_scale(I),
-                           bench::stream_key(o.seed, InputStream::kDown, rank), stream);
-  bench::fill_uniform_bf16(x, T * H, 1.0f, bench::stream_key(o.seed, InputStream::kX, rank),
-                           stream);
-  const auto& in = routing[c.ep_rank];
-  cudaMemcpy(idx, in.topk_idx.data(), T * K * 4, cudaMemcpyHostToDevice);
-  cudaMemcpy(tw, in.topk_weights.data(), T * K * 4, cudaMemcpyHostToDevice);
-
-  ForwardArgs a;
-  a.num_tokens = T;
-  a.x = x;
-  a.topk_idx = idx;
-  a.topk_weights = tw;
-  a.weights = {gate, up, down};
-  a.y = y;
+  Stream stream;
+  EPFLOW_RETURN_IF_ERROR(stream.create());
+  RankData data;
+  EPFLOW_RETURN_IF_ERROR(data.create(c, routing[c.ep_rank], T, o.seed, stream.get()));
   const int n = o.warmup + o.iters;
-  std::vector<StageEvents> ev(n);
-  for (auto& e : ev)
-    for (cudaEvent_t* p : {&e.start, &e.schedule_done, &e.dispatch_done, &e.ffn_done, &e.end})
-      cudaEventCreate(p);
-  for (int i = 0; i < n; ++i)
-    EPFLOW_RETURN_IF_ERROR(LayerInternals::forward_with_stage_events(*layer, a, stream, ev[i]));
-  if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess)
-    return error_status(StatusCode::kCudaError, "benchmark run: ", cudaGetErrorString(e));
-  std::vector<double> total, stage[kStages];
-  for (int i = o.warmup; i < n; ++i) {
-    const cudaEvent_t marks[kStages + 1] = {ev[i].start, ev[i].schedule_done, ev[i].dispatch_done,
-                                            ev[i].ffn_done, ev[i].end};
-    float ms = 0;
-    cudaEventElapsedTime(&ms, marks[0], marks[kStages]);
-    total.push_back(ms * 1e3);
-    for (int s = 0; s < kStages; ++s) {
-      cudaEventElapsedTime(&ms, marks[s], marks[s + 1]);
-      stage[s].push_back(ms * 1e3);
-    }
+  IterationEvents ev;
+  EPFLOW_RETURN_IF_ERROR(ev.create(n));
+  for (int i = 0; i < n; ++i) {
+    const cudaEvent_t* m = ev.marks(i);
+    const StageEvents stages{m[0], m[1], m[2], m[3], m[4]};
+    EPFLOW_RETURN_IF_ERROR(
+        LayerInternals::forward_with_stage_events(*layer, data.args(), stream.get(), stages));
   }
-  out->total_us = median(total);
-  for (int s = 0; s < kStages; ++s) out->stage_us[s] = median(stage[s]);
-  for (auto& e : ev)
-    for (cudaEvent_t p : {e.start, e.schedule_done, e.dispatch_done, e.ffn_done, e.end})
-      cudaEventDestroy(p);
-  for (void* p : buffers) cudaFree(p);
-  cudaStreamDestroy(stream);
-  return Status::ok_status();
+  EPFLOW_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run"));
+  EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, out));
+  return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
+}
+
+// The NCCL + cuBLAS baseline on this rank, on its own copy of the same inputs.
+Status bench_nccl_cublas_rank(const LayerConfig& c, const std::vector<bench::Routing>& routing,
+                              int64_t T, const Options& o, ncclComm_t comm,
+                              const std::vector<int64_t>& checked, RankResult* out,
+                              std::vector<float>* y_rows) {
+  Stream stream;
+  EPFLOW_RETURN_IF_ERROR(stream.create());
+  RankData data;
+  EPFLOW_RETURN_IF_ERROR(data.create(c, routing[c.ep_rank], T, o.seed, stream.get()));
+  std::unique_ptr<bench::NcclCublasMoe> moe;
+  EPFLOW_RETURN_IF_ERROR(bench::NcclCublasMoe::create(c, comm, stream.get(), &moe));
+  // Untimed: NCCL connects the peers, cuBLAS picks its kernels, the receive buffers grow.
+  EPFLOW_RETURN_IF_ERROR(moe->forward(data.args(), nullptr));
+  const int n = o.warmup + o.iters;
+  IterationEvents ev;
+  EPFLOW_RETURN_IF_ERROR(ev.create(n));
+  for (int i = 0; i < n; ++i) EPFLOW_RETURN_IF_ERROR(moe->forward(data.args(), ev.marks(i)));
+  EPFLOW_RETURN_IF_ERROR(
+      cuda_status(cudaStreamSynchronize(stream.get()), "nccl-cublas benchmark run"));
+  EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, out));
+  return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
 }
 
 // Routed rows per rank and the share that crosses NVLink, counted from the routing itself.
@@ -268,27 +424,193 @@ void count_traffic(const LayerConfig& c, const std::vector<bench::Routing>& inpu
     }
 }
 
+// --- output checks ---------------------------------------------------------------------------
+
+// |a - b| / |b| over whole vectors; infinite when anything is non-finite (a NaN row is one never
+// written) or b is zero while a is not.
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    const double d = double(a[i]) - double(b[i]);
+    num += d * d;
+    den += double(b[i]) * b[i];
+  }
+  if (den == 0) return num == 0 ? 0.0 : INFINITY;
+  return std::sqrt(num / den);
+}
+
+// One system's output against a reference: the worst rank's relative error.
+struct Check {
+  std::string against;  // "epflow" or "reference"; empty: not checked
+  double rel_err = 0;
+  bool ok() const { return rel_err <= kRelTol; }  // false for NaN and inf too
+  const char* verdict() const { return ok() ? "OK" : "MISMATCH"; }
+};
+
+Check compare(const std::vector<std::vector<float>>& y, const std::vector<std::vector<float>>& ref,
+              const char* against) {
+  Check c;
+  c.against = against;
+  for (size_t r = 0; r < y.size(); ++r) {
+    const double e = rel_err(y[r], ref[r]);
+    c.rel_err = std::isnan(e) || e > c.rel_err ? e : c.rel_err;
+  }
+  return c;
+}
+
+// The tokens whose rows a normal run compares: the ends and the middle.
+std::vector<int64_t> guard_tokens(int64_t T) {
+  std::vector<int64_t> t;
+  for (int64_t i : {int64_t{0}, int64_t{1}, T / 2, T - 1})
+    if (i >= 0 && i < T && std::find(t.begin(), t.end(), i) == t.end()) t.push_back(i);
+  return t;
+}
+
+// Every rank's y from the CPU reference, on fp32 copies of exactly the bf16 inputs the GPUs got
+// (the formulas of bench_inputs.h; __float2bfloat16 rounds to nearest even, as the fill kernel).
+std::vector<std::vector<float>> reference_y(const LayerConfig& c,
+                                            const std::vector<bench::Routing>& routing, int64_t T,
+                                            uint64_t seed) {
+  const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank(), K = c.top_k;
+  using bench::InputStream;
+  auto values = [](int64_t count, float scale, uint64_t key) {
+    std::vector<float> v(count);
+    for (int64_t i = 0; i < count; ++i)
+      v[i] = __bfloat162float(__float2bfloat16(bench::unit_value(key, i) * scale));
+    return v;
+  };
+  std::vector<reference::RankExperts> experts(c.ep_size);
+  for (int32_t r = 0; r < c.ep_size; ++r) {
+    const uint32_t ur = static_cast<uint32_t>(r);
+    experts[r].gate =
+        values(E * I * H, bench::fan_in_scale(H), bench::stream_key(seed, InputStream::kGate, ur));
+    experts[r].up =
+        values(E * I * H, bench::fan_in_scale(H), bench::stream_key(seed, InputStream::kUp, ur));
+    experts[r].down =
+        values(E * H * I, bench::fan_in_scale(I), bench::stream_key(seed, InputStream::kDown, ur));
+  }
+  std::vector<std::vector<float>> y(c.ep_size);
+  for (int32_t r = 0; r < c.ep_size; ++r) {
+    const auto x =
+        values(T * H, 1.0f, bench::stream_key(seed, InputStream::kX, static_cast<uint32_t>(r)));
+    y[r].resize(T * H);
+    for (int64_t t = 0; t < T; ++t)
+      reference::forward_token(c, experts, x.data() + t * H, routing[r].topk_idx.data() + t * K,
+                               routing[r].topk_weights.data() + t * K, y[r].data() + t * H);
+  }
+  return y;
+}
+
+// --- results ---------------------------------------------------------------------------------
+
 std::string device_name() {
   cudaDeviceProp prop;
   return cudaGetDeviceProperties(&prop, 0) == cudaSuccess ? prop.name : "unknown";
 }
 
+std::string json_num(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+const RankResult& slowest(const std::vector<RankResult>& results) {
+  return *std::max_element(
+      results.begin(), results.end(),
+      [](const RankResult& a, const RankResult& b) { return a.total_us < b.total_us; });
+}
+
+// One system's run object: time and rate of the layer and its stages (the slowest rank's), the
+// NVLink traffic (a property of the routing, the same for every system), the check if one ran.
+std::string run_json(const char* system, const bench::Preset& p, int64_t T, const LayerConfig& c,
+                     const RankResult& slow, const Check& check) {
+  const double flops = forward_flops(c, slow.routed_slots);
+  const double ffn_flops = forward_flops(c, slow.rows_received);
+  const double row_bytes = 2.0 * c.hidden;
+  std::ostringstream js;
+  js << "{\"system\": \"" << system << "\", \"direction\": \"fwd\", \"preset\": \"" << p.name
+     << "\", \"tokens\": " << T << ", \"layer_us\": " << slow.total_us
+     << ", \"layer_tflops_per_gpu\": " << flops / slow.total_us * 1e-6;
+  for (int st = 0; st < kStages; ++st) js << ", \"stage_us_" << st << "\": " << slow.stage_us[st];
+  js << ", \"ffn_tflops_per_gpu\": " << ffn_flops / slow.stage_us[2] * 1e-6
+     << ", \"dispatch_nvlink_bytes\": " << slow.nvlink_rows_in * row_bytes
+     << ", \"combine_nvlink_bytes\": " << slow.nvlink_rows_out * row_bytes;
+  if (!check.against.empty())
+    js << ", \"check\": \"" << check.verdict() << "\", \"check_against\": \"" << check.against
+       << "\", \"check_rel_err\": " << json_num(check.rel_err);
+  js << "}";
+  return js.str();
+}
+
+void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c, const RankResult& slow) {
+  const double flops = forward_flops(c, slow.routed_slots);
+  const double ffn_flops = forward_flops(c, slow.rows_received);
+  const double row_bytes = 2.0 * c.hidden;
+  std::printf("\n%s (H %lld, I %lld, %d experts/rank, top-%d), %lld tokens/rank\n", p.name.c_str(),
+              (long long)c.hidden, (long long)c.intermediate, c.experts_per_rank(), c.top_k,
+              (long long)T);
+  std::printf("  %-20s %10s %12s %14s %10s\n", "stage", "us", "TFLOP/s/GPU", "NVLink MB", "GB/s");
+  std::printf("  %-20s %10.1f %12.1f\n", "layer", slow.total_us, flops / slow.total_us * 1e-6);
+  for (int st = 0; st < kStages; ++st) {
+    const double us = slow.stage_us[st];
+    std::printf("  %-20s %10.1f", kStageNames[st], us);
+    if (st == 2) std::printf(" %12.1f", ffn_flops / us * 1e-6);
+    if (st == 1 || st == 3) {
+      const double bytes = (st == 1 ? slow.nvlink_rows_in : slow.nvlink_rows_out) * row_bytes;
+      std::printf(" %12s %14.1f %10.1f", "", bytes * 1e-6, bytes / us * 1e-3);
+    }
+    std::printf("\n");
+  }
+}
+
+// A system's line of the comparison table under EPFlow's stages; `epflow` null on EPFlow's own.
+void print_system(const char* system, const LayerConfig& c, const RankResult& slow,
+                  const RankResult* epflow, const Check& check, size_t checked_tokens) {
+  const double tflops = forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6;
+  char ratio[32] = "";
+  if (epflow) std::snprintf(ratio, sizeof ratio, "%.2fx", slow.total_us / epflow->total_us);
+  std::printf("  %-20s %10.1f %12.1f %14s", system, slow.total_us, tflops, ratio);
+  if (!check.against.empty())
+    std::printf("  %s (rel. err %.1e vs %s, %zu tokens/rank)", check.verdict(), check.rel_err,
+                check.against.c_str(), checked_tokens);
+  std::printf("\n");
+}
+
 int run_gpu(const Options& o, int devices) {
-  const int32_t ep = o.ep > 0 ? o.ep : devices;
+  const int32_t ep = o.ep > 0 ? o.ep : (o.check ? std::min(devices, 2) : devices);
   if (ep > devices) {
     std::fprintf(stderr, "epflow-bench: --ep %d but only %d GPUs\n", ep, devices);
     return 2;
   }
-  const auto presets = o.presets.empty() ? std::vector<std::string>{"deepseek-v3"} : o.presets;
-  const auto token_list = o.tokens.empty() ? std::vector<int64_t>{4096} : o.tokens;
+  const auto presets = !o.presets.empty() ? o.presets
+                       : o.check          ? std::vector<std::string>{"tiny"}
+                                          : std::vector<std::string>{"deepseek-v3"};
+  const auto token_list = !o.tokens.empty() ? o.tokens
+                          : o.check         ? std::vector<int64_t>{64}
+                                            : std::vector<int64_t>{4096};
+  const bool nccl_cublas =
+      std::find(o.baselines.begin(), o.baselines.end(), kNcclCublas) != o.baselines.end();
   const std::string device = device_name();
   const char* commit = std::getenv("EPFLOW_COMMIT");
   std::printf("epflow-bench: %d x %s, EP=%d, bf16, median of %d iterations after %d warm-up\n", ep,
               device.c_str(), ep, o.iters, o.warmup);
+  if (nccl_cublas)
+    std::printf(
+        "baseline nccl-cublas: counting-sort permute, ncclAllGather of counts + host sync, "
+        "ncclSend/Recv all-to-all,\n  group by expert + host sync, cublasGemmGroupedBatchedEx + "
+        "SwiGLU kernel, all-to-all back, weighted sum;\n  one stream per rank, whole call timed "
+        "with CUDA events (host syncs included)\n");
+  if (o.check)
+    std::printf("--check: every token's y against the CPU reference, rel. error <= %.0e\n",
+                kRelTol);
   std::ostringstream json;
-  json << "{\n  \"device\": \"" << device << "\",\n  \"ep\": " << ep << ",\n  \"commit\": \""
-       << (commit ? commit : "unknown") << "\",\n  \"runs\": [";
-  bool first = true;
+  json << "{\n  \"kind\": \"layer\",\n  \"device\": \"" << device << "\",\n  \"ep\": " << ep
+       << ",\n  \"commit\": \"" << (commit ? commit : "unknown") << "\",\n  \"seed\": " << o.seed
+       << ",\n  \"warmup\": " << o.warmup << ",\n  \"iters\": " << o.iters << ",\n  \"runs\": [";
+  bool first = true, all_ok = true;
   for (const auto& name : presets) {
     const bench::Preset* p = bench::find_preset(name);
     if (!p) {
@@ -297,65 +619,101 @@ int run_gpu(const Options& o, int devices) {
     }
     for (int64_t T : token_list) {
       const LayerConfig c = bench::layer_config(*p, ep, T);
+      if (o.check) {
+        const double macs = double(ep) * T * c.top_k * 3.0 * c.hidden * c.intermediate;
+        if (macs > 2e10) {
+          std::fprintf(stderr,
+                       "epflow-bench --check: %s x %lld tokens x %d ranks is too large for the "
+                       "CPU reference (%.1e MACs); use --preset tiny or fewer --tokens\n",
+                       p->name.c_str(), static_cast<long long>(T), ep, macs);
+          return 2;
+        }
+      }
       std::vector<bench::Routing> routing;
       for (int32_t r = 0; r < ep; ++r)
         routing.push_back(bench::make_routing(o.seed, r, T, c.num_experts, c.top_k));
       std::vector<RankResult> results(ep);
       count_traffic(c, routing, &results);
+      std::vector<RankResult> base_results = results;
+      std::vector<int64_t> checked = guard_tokens(T);
+      if (o.check) {
+        checked.resize(T);
+        for (int64_t t = 0; t < T; ++t) checked[t] = t;
+      }
+      std::vector<std::vector<float>> y_epflow(ep), y_base(ep);
       std::mutex mu;
+      auto keep_times = [&mu](const RankResult& from, RankResult* to) {
+        std::lock_guard<std::mutex> lock(mu);
+        to->total_us = from.total_us;
+        std::copy(from.stage_us, from.stage_us + kStages, to->stage_us);
+      };
+      // Both systems on one communicator, one after the other: every rank destroys EPFlow's
+      // layer (and its windows) before any of its baseline's NCCL calls, in the same order.
       const Status s = run_on_local_gpus(ep, [&](int rank, ncclComm_t comm) {
         LayerConfig rc = c;
         rc.ep_rank = rank;
         RankResult r;
-        Status st = bench_rank(rc, routing, T, o, comm, &r);
-        std::lock_guard<std::mutex> lock(mu);
-        results[rank].total_us = r.total_us;
-        std::copy(r.stage_us, r.stage_us + kStages, results[rank].stage_us);
-        return st;
+        EPFLOW_RETURN_IF_ERROR(
+            bench_epflow_rank(rc, routing, T, o, comm, checked, &r, &y_epflow[rank]));
+        keep_times(r, &results[rank]);
+        if (!nccl_cublas) return Status::ok_status();
+        EPFLOW_RETURN_IF_ERROR(
+            bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
+        keep_times(r, &base_results[rank]);
+        return Status::ok_status();
       });
       if (!s.ok()) {
         std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
         return 1;
       }
-      // The slowest rank sets the layer's time; report it, per stage too.
-      const auto& slow = *std::max_element(
-          results.begin(), results.end(),
-          [](const RankResult& a, const RankResult& b) { return a.total_us < b.total_us; });
-      const double flops = forward_flops(c, slow.routed_slots);
-      const double ffn_flops = forward_flops(c, slow.rows_received);
-      const double row_bytes = 2.0 * c.hidden;
-      std::printf("\n%s (H %lld, I %lld, %d experts/rank, top-%d), %lld tokens/rank\n",
-                  p->name.c_str(), (long long)c.hidden, (long long)c.intermediate,
-                  c.experts_per_rank(), c.top_k, (long long)T);
-      std::printf("  %-20s %10s %12s %14s %10s\n", "stage", "us", "TFLOP/s/GPU", "NVLink MB",
-                  "GB/s");
-      std::printf("  %-20s %10.1f %12.1f\n", "layer", slow.total_us, flops / slow.total_us * 1e-6);
-      for (int st = 0; st < kStages; ++st) {
-        const double us = slow.stage_us[st];
-        std::printf("  %-20s %10.1f", kStageNames[st], us);
-        if (st == 2) std::printf(" %12.1f", ffn_flops / us * 1e-6);
-        if (st == 1 || st == 3) {
-          const double bytes = (st == 1 ? slow.nvlink_rows_in : slow.nvlink_rows_out) * row_bytes;
-          std::printf(" %12s %14.1f %10.1f", "", bytes * 1e-6, bytes / us * 1e-3);
-        }
-        std::printf("\n");
+      Check epflow_check, base_check;
+      if (o.check) {
+        const auto ref = reference_y(c, routing, T, o.seed);
+        epflow_check = compare(y_epflow, ref, "reference");
+        if (nccl_cublas) base_check = compare(y_base, ref, "reference");
+      } else if (nccl_cublas) {
+        base_check = compare(y_base, y_epflow, "epflow");
       }
-      json << (first ? "" : ",") << "\n    {\"preset\": \"" << p->name << "\", \"tokens\": " << T
-           << ", \"layer_us\": " << slow.total_us
-           << ", \"layer_tflops_per_gpu\": " << flops / slow.total_us * 1e-6;
-      for (int st = 0; st < kStages; ++st)
-        json << ", \"stage_us_" << st << "\": " << slow.stage_us[st];
-      json << ", \"ffn_tflops_per_gpu\": " << ffn_flops / slow.stage_us[2] * 1e-6
-           << ", \"dispatch_nvlink_bytes\": " << slow.nvlink_rows_in * row_bytes
-           << ", \"combine_nvlink_bytes\": " << slow.nvlink_rows_out * row_bytes << "}";
+      // The slowest rank sets the layer's time; report it, per stage too.
+      const RankResult& slow = slowest(results);
+      print_epflow(*p, T, c, slow);
+      if (nccl_cublas || o.check) {
+        std::printf("  %-20s %10s %12s %14s  %s\n", "system", "us", "TFLOP/s/GPU", "EPFlow speedup",
+                    "check");
+        print_system("epflow", c, slow, nullptr, epflow_check, checked.size());
+      }
+      json << (first ? "" : ",") << "\n    " << run_json("epflow", *p, T, c, slow, epflow_check);
       first = false;
+      all_ok = all_ok && (epflow_check.against.empty() || epflow_check.ok());
+      if (nccl_cublas) {
+        const RankResult& base = slowest(base_results);
+        print_system(kNcclCublas, c, base, &slow, base_check, checked.size());
+        std::printf("  %-20s", "  its stages (us)");
+        for (int st = 0; st < kStages; ++st)
+          std::printf("%s %s %.1f", st ? "," : "", kStageNames[st], base.stage_us[st]);
+        std::printf("\n");
+        json << ",\n    " << run_json(kNcclCublas, *p, T, c, base, base_check);
+        all_ok = all_ok && base_check.ok();
+      }
     }
   }
   json << "\n  ],\n  \"stages\": [";
   for (int st = 0; st < kStages; ++st) json << (st ? ", " : "") << "\"" << kStageNames[st] << "\"";
   json << "]\n}\n";
-  if (!o.json.empty()) std::ofstream(o.json) << json.str();
-  return 0;
+  if (!o.json.empty()) {
+    std::ofstream f(o.json);
+    f << json.str();
+    f.close();
+    if (!f) {
+      std::fprintf(stderr, "epflow-bench: writing %s failed\n", o.json.c_str());
+      return 1;
+    }
+  }
+  if (o.check)
+    std::printf("\n--check: %s\n", all_ok ? "OK" : "MISMATCH");
+  else if (!all_ok)
+    std::printf("\nMISMATCH: a baseline's output differs from EPFlow's beyond tolerance\n");
+  return all_ok ? 0 : 1;
 }
 
 }  // namespace
@@ -368,6 +726,13 @@ int main(int argc, char** argv) {
   }
   int devices = 0;
   const cudaError_t err = cudaGetDeviceCount(&devices);
-  if (err != cudaSuccess || devices == 0) return run_cpu_reference(o, "no GPU found");
+  if (err != cudaSuccess || devices == 0) {
+    if (o.check) {
+      // The check compares GPU outputs: without a GPU there is nothing to compare.
+      std::printf("epflow-bench --check: no GPU found; nothing checked\n");
+      return 0;
+    }
+    return run_cpu_reference(o, "no GPU found");
+  }
   return run_gpu(o, devices);
 }

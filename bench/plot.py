@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Plots layer benchmark JSON (epflow-bench, bench/baselines/torch_moe.py, or bench/run_all.py's
+merged file) as one PNG: a subplot per (preset, EP), TFLOP/s per GPU against tokens per rank
+(log2 axis), a line per (system, direction).
+
+Usage: bench/plot.py RESULT.json [RESULT.json ...] --out PLOT.png"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import layer_runs, series_key  # noqa: E402
+
+
+def plot(runs: list[dict], title: str, out: Path) -> None:
+    # Imported here: report-only users of this folder need no matplotlib.
+    import matplotlib
+    matplotlib.use("Agg")  # no display on the GPU machine
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r["preset"] for r in runs))
+    eps = sorted({r["ep"] for r in runs})
+    series = sorted({(r["system"], r["direction"]) for r in runs}, key=lambda s: series_key(*s))
+    systems = list(dict.fromkeys(s for s, _ in series))
+    colors = {s: f"C{i}" for i, s in enumerate(systems)}
+    fig, axes = plt.subplots(len(presets), len(eps), squeeze=False, sharex=True,
+                             figsize=(5.5 * len(eps), 3.6 * len(presets)))
+    for row, preset in enumerate(presets):
+        for col, ep in enumerate(eps):
+            ax = axes[row][col]
+            for system, direction in series:
+                pts = sorted((r["tokens"], r["layer_tflops_per_gpu"]) for r in runs
+                             if (r["preset"], r["ep"], r["system"], r["direction"])
+                             == (preset, ep, system, direction))
+                if pts:
+                    ax.plot([t for t, _ in pts], [v for _, v in pts], marker="o",
+                            color=colors[system], linestyle="-" if direction == "fwd" else "--",
+                            label=f"{system} {direction}")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{preset}, EP={ep}", fontsize=10)
+            ax.set_xlabel("tokens per rank")
+            ax.set_ylabel("TFLOP/s per GPU")
+            ax.set_ylim(bottom=0)
+            ax.grid(True, which="both", alpha=0.3)
+    tokens = sorted({r["tokens"] for r in runs})
+    for ax in axes.flat:
+        ax.set_xticks(tokens, [str(t) for t in tokens])
+        ax.tick_params(axis="x", labelbottom=True)
+    # One legend for the figure: every subplot has (at most) the same series.
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles),
+               frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def title_of(docs: list[dict]) -> str:
+    """Device, date and commit of the results (a merged file records its date; others: today)."""
+    device = " / ".join(dict.fromkeys(d["device"] for d in docs))
+    commit = " / ".join(dict.fromkeys(d["commit"] for d in docs))
+    date = docs[0].get("date", datetime.date.today().isoformat())
+    return f"MoE layer, bf16: {device}, {date}, commit {commit}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True, help="PNG to write")
+    args = ap.parse_args()
+    docs = [json.loads(p.read_text()) for p in args.results]
+    docs = [d for d in docs if d.get("kind") != "gemm"]
+    if not docs:
+        sys.exit("plot.py: no layer results")
+    plot(layer_runs(docs), title_of(docs), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

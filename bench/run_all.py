@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Issue [D]'s one command on the GPU machine: EPFlow and its baselines side by side on the same
+inputs. Builds nothing: it expects epflow-bench built (scripts/build.sh) and runs, for each EP
+size (1, and 2 when two GPUs are present), epflow-bench (EPFlow and its in-process NCCL+cuBLAS
+baseline) and torchrun bench/baselines/torch_moe.py (NCCL+PyTorch), merges all results into one
+JSON (--out), prints the comparison table (bench/report.py) and writes the plot (bench/plot.py).
+First, two checks that make the comparison mean something: the torch inputs on the GPU equal the
+C++ ones (bench/baselines/inputs.py --selftest against epflow-inputs-dump, built beside
+epflow-bench) and the PyTorch layer matches an fp32 reference (torch_moe.py --check).
+
+Usage: bench/run_all.py --out results.json [--bench build/epflow-bench] [--dump PATH]
+         [--png results.png] [--presets a,b] [--tokens 128,512] [--ep 1,2] [--iters N]
+         [--warmup N] [--seed S]"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+import plot  # noqa: E402
+import report  # noqa: E402
+
+PRESETS = "deepseek-v3,qwen3-235b-a22b,qwen3-30b-a3b,deepseek-v4-flash"
+TOKENS = "128,512,2048,4096,8192"
+# NVLink multicast (NVLS) can take the shared host down (BRIEF §2): off in every subprocess.
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def run(cmd: list[str], env: dict[str, str]) -> None:
+    """Runs one step, its output straight to the terminal; a failure ends run_all with the
+    command that failed."""
+    print(f"\n$ {shlex.join(cmd)}", flush=True)
+    rc = subprocess.run(cmd, env=env, cwd=REPO, check=False).returncode
+    if rc != 0:
+        sys.exit(f"run_all.py: FAILED (exit {rc}): {shlex.join(cmd)}")
+
+
+def run_json(cmd: list[str], env: dict[str, str], json_path: Path) -> dict:
+    """Runs one benchmark that writes json_path and returns that JSON."""
+    run(cmd, env)
+    try:
+        return json.loads(json_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        sys.exit(f"run_all.py: FAILED: {shlex.join(cmd)} wrote no readable {json_path}: {e}")
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                         text=True, check=False)
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def gpu_count() -> int:
+    import torch  # the baseline's own interpreter: it must have torch with CUDA anyway
+    return torch.cuda.device_count()
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="merged JSON of every run")
+    ap.add_argument("--png", type=Path, help="plot (default: --out with .png)")
+    ap.add_argument("--bench", type=Path, default=REPO / "build" / "epflow-bench",
+                    help="the epflow-bench executable (default: build/epflow-bench)")
+    ap.add_argument("--dump", type=Path,
+                    help="the epflow-inputs-dump executable (default: beside --bench)")
+    ap.add_argument("--presets", default=PRESETS)
+    ap.add_argument("--tokens", default=TOKENS, help="tokens per rank")
+    ap.add_argument("--ep", help="EP sizes (default: 1, and 2 with two or more GPUs)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    if args.png is None:
+        args.png = args.out.with_suffix(".png")
+    if args.dump is None:
+        args.dump = args.bench.parent / "epflow-inputs-dump"
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    bench, dump = args.bench.resolve(), args.dump.resolve()
+    for exe in (bench, dump):
+        if not os.access(exe, os.X_OK):
+            sys.exit(f"run_all.py: {exe} is not an executable: build it first (scripts/build.sh)")
+    gpus = gpu_count()
+    if gpus == 0:
+        sys.exit("run_all.py: no CUDA GPU visible")
+    eps = [int(e) for e in args.ep.split(",")] if args.ep else [1] + ([2] if gpus >= 2 else [])
+    if max(eps) > gpus:
+        sys.exit(f"run_all.py: EP {max(eps)} asked for, {gpus} GPUs present")
+    commit = os.environ.get("EPFLOW_COMMIT") or git_commit()
+    env = {**os.environ, **NVLS_OFF, "EPFLOW_COMMIT": commit}
+    common = ["--tokens", args.tokens, "--iters", str(args.iters), "--warmup", str(args.warmup),
+              "--seed", str(args.seed)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    torch_moe = str(BENCH_DIR / "baselines" / "torch_moe.py")
+
+    run([sys.executable, str(BENCH_DIR / "baselines" / "inputs.py"), "--selftest", str(dump),
+         "--device", "cuda"], env)
+    run([*torchrun, str(max(eps)), torch_moe, "--check"], env)
+    docs = []
+    with tempfile.TemporaryDirectory(prefix="epflow-run-all-") as tmp:
+        for ep in eps:
+            part = Path(tmp) / f"epflow-ep{ep}.json"
+            docs.append(run_json([str(bench), "--ep", str(ep), "--preset", args.presets, *common,
+                                  "--json", str(part)], env, part))
+            part = Path(tmp) / f"torch-ep{ep}.json"
+            docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets", args.presets,
+                                  *common, "--json", str(part)], env, part))
+
+    # One layer document whose runs carry their EP (report.py and plot.py read it as is).
+    runs = report.layer_runs(docs)
+    device = " / ".join(dict.fromkeys(d["device"] for d in docs))
+    for r in runs:
+        del r["device"], r["commit"]
+    merged = {"kind": "layer", "device": device, "commit": commit,
+              "date": datetime.date.today().isoformat(), "runs": runs,
+              "stages": next((d["stages"] for d in docs if "stages" in d), [])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(merged, indent=2) + "\n")
+    print(f"\nmerged results: {args.out}\n")
+    report.render_comparison(report.layer_runs([merged]))
+    plot.plot(report.layer_runs([merged]), plot.title_of([merged]), args.png)
+    print(f"\nplot: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
