@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "baselines/nccl_cublas_moe.h"
+#include "bench_check.h"
 #include "bench_inputs.h"
 #include "epflow/communicator.h"
 #include "epflow/epflow.h"
@@ -426,21 +427,6 @@ void count_traffic(const LayerConfig& c, const std::vector<bench::Routing>& inpu
 
 // --- output checks ---------------------------------------------------------------------------
 
-// |a - b| / |b| over whole vectors; infinite when anything is non-finite (a NaN row is one never
-// written) or b is zero while a is not.
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    const double d = double(a[i]) - double(b[i]);
-    num += d * d;
-    den += double(b[i]) * b[i];
-  }
-  if (den == 0) return num == 0 ? 0.0 : INFINITY;
-  return std::sqrt(num / den);
-}
-
 // One system's output against a reference: the worst rank's relative error.
 struct Check {
   std::string against;  // "epflow" or "reference"; empty: not checked
@@ -454,7 +440,7 @@ Check compare(const std::vector<std::vector<float>>& y, const std::vector<std::v
   Check c;
   c.against = against;
   for (size_t r = 0; r < y.size(); ++r) {
-    const double e = rel_err(y[r], ref[r]);
+    const double e = bench::rel_err(y[r], ref[r]);
     c.rel_err = std::isnan(e) || e > c.rel_err ? e : c.rel_err;
   }
   return c;

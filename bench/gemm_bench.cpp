@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_check.h"
 #include "bench_inputs.h"
 #include "kernels/expert_ffn.cuh"
 #include "presets.h"
@@ -668,20 +669,6 @@ std::vector<float> fetch_all(const DeviceBuffer<bf16>& b, cudaStream_t s) {
   return out;
 }
 
-// |a - b| / |b| over the whole vectors; infinite when anything is non-finite (a NaN row is an
-// unwritten one) or b is zero while a is not.
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    const double d = double(a[i]) - double(b[i]);
-    num += d * d;
-    den += double(b[i]) * b[i];
-  }
-  if (den == 0) return num == 0 ? 0.0 : INFINITY;
-  return std::sqrt(num / den);
-}
-
 bool within(double err) { return err <= kRelTol; }  // false for NaN and inf too
 
 // A few rows of an expert with n rows: the ends (tile boundaries) and the middle.
@@ -751,10 +738,10 @@ CheckResult guard(Point& p, cublasHandle_t h, cudaStream_t s, bool* grouped_ok) 
     r.rows += static_cast<int64_t>(real_rows.size());
     const auto dense = fetch_rows(p.out.y_dense.get(), real_rows, H, s);
     const auto ep = fetch_rows(p.out.y_ep.get(), pad_rows, H, s);
-    r.epflow_vs_dense = std::max(r.epflow_vs_dense, rel_err(ep, dense));
+    r.epflow_vs_dense = std::max(r.epflow_vs_dense, bench::rel_err(ep, dense));
     if (*grouped_ok) {
       const auto gr = fetch_rows(p.out.y_grouped.get(), real_rows, H, s);
-      r.grouped_vs_dense = std::max(r.grouped_vs_dense, rel_err(gr, dense));
+      r.grouped_vs_dense = std::max(r.grouped_vs_dense, bench::rel_err(gr, dense));
     }
   }
   r.ok = within(r.epflow_vs_dense);
@@ -768,7 +755,7 @@ CheckResult guard(Point& p, cublasHandle_t h, cudaStream_t s, bool* grouped_ok) 
         real_rows.push_back(l.real_off[e] + i);
       }
     }
-    r.epflow_vs_grouped = rel_err(fetch_rows(p.out.y_ep.get(), pad_rows, H, s),
+    r.epflow_vs_grouped = bench::rel_err(fetch_rows(p.out.y_ep.get(), pad_rows, H, s),
                                   fetch_rows(p.out.y_grouped.get(), real_rows, H, s));
     r.ok = r.ok && within(r.grouped_vs_dense) && within(r.epflow_vs_grouped);
   } else {
@@ -839,7 +826,7 @@ int run_check(const Options& o, cublasHandle_t h, cudaStream_t s) {
        {Path{"cuBLAS dense (cublasGemmEx)", p.out.y_dense.get(), &real_rows},
         Path{"cuBLAS grouped (cublasGemmGroupedBatchedEx)", p.out.y_grouped.get(), &real_rows},
         Path{"EPFlow expert FFN", p.out.y_ep.get(), &pad_rows}}) {
-    const double err = rel_err(fetch_rows(path.y, *path.rows, H, s), ref);
+    const double err = bench::rel_err(fetch_rows(path.y, *path.rows, H, s), ref);
     std::printf("  %-46s rel. error %.3e  %s\n", path.name, err, within(err) ? "OK" : "MISMATCH");
     ok = ok && within(err);
   }
