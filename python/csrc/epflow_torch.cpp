@@ -1,0 +1,205 @@
+// EPFlow's PyTorch binding (issue [G]): a torch op library, loaded from Python with
+// torch.ops.load_library (python/epflow/__init__.py).
+//
+//   torch.classes.epflow.Handle(unique_id, world, rank, device, hidden, intermediate, num_experts,
+//                               top_k, max_tokens_per_rank, timeout_seconds, comm_sms,
+//                               minibatch_rows, ring_rows)
+//       owns one ncclComm_t (ncclCommInitRank on `device`) and one epflow::Layer on it.
+//   epflow::get_unique_id() -> Tensor            ncclUniqueId as uint8[128] on the CPU
+//   epflow::moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights,
+//                       Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor y
+//       Layer::forward on the current CUDA stream; y is freshly allocated [T, H] bf16.
+//
+// NOTES: the op takes the handle's integer id, not the torchbind object: an int passes through
+// torch.compile (Dynamo, FakeTensor, AOTAutograd) and CUDA-graph capture untouched, whereas a
+// ScriptObject argument needs a registered fake class. The object keeps the communicator and
+// the layer alive; the id is looked up in a registry it adds itself to and removes itself from.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "epflow/epflow.h"
+
+namespace {
+
+void check_status(const epflow::Status& s, const char* what) {
+  if (s.ok()) return;
+  if (s.code() == epflow::StatusCode::kNotImplemented)
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "EPFlow ", what, ": ", s.to_string());
+  TORCH_CHECK(false, "EPFlow ", what, ": ", s.to_string());
+}
+
+class Handle;
+
+std::mutex g_registry_mutex;
+std::unordered_map<int64_t, Handle*> g_registry;
+int64_t g_next_id = 1;
+
+class Handle : public torch::CustomClassHolder {
+ public:
+  Handle(at::Tensor unique_id, int64_t world, int64_t rank, int64_t device, int64_t hidden,
+         int64_t intermediate, int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank,
+         double timeout_seconds, int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows) {
+    TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
+                    unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),
+                "unique_id must be a CPU uint8 tensor of ", sizeof(ncclUniqueId),
+                " bytes (epflow._C.get_unique_id()), got ", unique_id.scalar_type(), " [",
+                unique_id.numel(), "] on ", unique_id.device());
+    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "rank ", rank, " of world ", world,
+                " is not a valid rank");
+    config_.hidden = hidden;
+    config_.intermediate = intermediate;
+    config_.num_experts = static_cast<int32_t>(num_experts);
+    config_.top_k = static_cast<int32_t>(top_k);
+    config_.ep_size = static_cast<int32_t>(world);
+    config_.ep_rank = static_cast<int32_t>(rank);
+    config_.max_tokens_per_rank = max_tokens_per_rank;
+    config_.timeout_seconds = timeout_seconds;
+    config_.comm_sms = static_cast<int32_t>(comm_sms);
+    config_.minibatch_rows = minibatch_rows;
+    config_.ring_rows = ring_rows;
+    // Config errors before any collective, with the field named.
+    check_status(epflow::validate(config_), "config");
+    TORCH_CHECK(device >= 0 && device < static_cast<int64_t>(c10::cuda::device_count()),
+                "device cuda:", device, " does not exist (", c10::cuda::device_count(),
+                " CUDA devices visible)");
+    device_ = static_cast<c10::DeviceIndex>(device);
+    c10::cuda::CUDAGuard guard(device_);
+    ncclUniqueId id;
+    std::memcpy(&id, unique_id.contiguous().data_ptr<uint8_t>(), sizeof(id));
+    check_status(epflow::create_communicator(id, static_cast<int>(world), static_cast<int>(rank),
+                                             &comm_),
+                 "communicator");
+    const epflow::Status s = epflow::Layer::create(config_, comm_, &layer_);
+    if (!s.ok()) {
+      ncclCommDestroy(comm_);
+      comm_ = nullptr;
+      check_status(s, "Layer::create");
+    }
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    id_ = g_next_id++;
+    g_registry[id_] = this;
+  }
+
+  ~Handle() override {
+    {
+      std::lock_guard<std::mutex> lock(g_registry_mutex);
+      g_registry.erase(id_);
+    }
+    if (device_ >= 0) {
+      c10::cuda::CUDAGuard guard(device_);
+      layer_.reset();  // frees the symmetric window while the communicator still exists
+      if (comm_) ncclCommDestroy(comm_);
+    }
+  }
+
+  int64_t id() const { return id_; }
+  int64_t device() const { return device_; }
+  const epflow::LayerConfig& config() const { return config_; }
+  epflow::Layer& layer() { return *layer_; }
+  std::string repr() const {
+    return "epflow.Handle(id=" + std::to_string(id_) + ", cuda:" + std::to_string(device_) +
+           ", " + config_.to_string() + ")";
+  }
+  // Device memory the layer holds, bytes: [symmetric, ring, schedule, saved].
+  std::vector<int64_t> memory() const {
+    const epflow::MemoryReport m = layer_->memory();
+    return {m.symmetric_bytes, m.ring_bytes, m.schedule_bytes, m.saved_bytes};
+  }
+
+ private:
+  epflow::LayerConfig config_;
+  c10::DeviceIndex device_ = -1;
+  ncclComm_t comm_ = nullptr;
+  std::unique_ptr<epflow::Layer> layer_;
+  int64_t id_ = 0;
+};
+
+Handle& lookup(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  auto it = g_registry.find(handle);
+  TORCH_CHECK(it != g_registry.end(), "EPFlow handle ", handle,
+              " does not exist (destroyed, or created in another process)");
+  return *it->second;
+}
+
+at::Tensor get_unique_id() {
+  ncclUniqueId id;
+  const ncclResult_t r = ncclGetUniqueId(&id);
+  TORCH_CHECK(r == ncclSuccess, "ncclGetUniqueId: ", ncclGetErrorString(r));
+  at::Tensor out = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
+  std::memcpy(out.data_ptr<uint8_t>(), &id, sizeof(id));
+  return out;
+}
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                  at::IntArrayRef shape, const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == dtype, "epflow.moe_forward: ", name, " must be ", dtype,
+              ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == device, "epflow.moe_forward: ", name, " must be on ", device,
+              " (the handle's device), got ", t.device());
+  TORCH_CHECK(t.sizes() == shape, "epflow.moe_forward: ", name, " must have shape ", shape,
+              ", got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "epflow.moe_forward: ", name,
+              " must be contiguous (row-major); call .contiguous()");
+}
+
+at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& topk_idx,
+                       const at::Tensor& topk_weights, const at::Tensor& w_gate,
+                       const at::Tensor& w_up, const at::Tensor& w_down) {
+  Handle& h = lookup(handle);
+  const epflow::LayerConfig& c = h.config();
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(h.device()));
+  TORCH_CHECK(x.dim() == 2, "epflow.moe_forward: x must be [T, H=", c.hidden, "], got ",
+              x.sizes());
+  const int64_t T = x.size(0);
+  TORCH_CHECK(T <= c.max_tokens_per_rank, "epflow.moe_forward: T=", T,
+              " exceeds the handle's max_tokens_per_rank=", c.max_tokens_per_rank);
+  const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate, K = c.top_k;
+  check_tensor(x, "x", at::kBFloat16, {T, H}, device);
+  check_tensor(topk_idx, "topk_idx", at::kInt, {T, K}, device);
+  check_tensor(topk_weights, "topk_weights", at::kFloat, {T, K}, device);
+  check_tensor(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device);
+  check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
+  check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
+
+  c10::cuda::CUDAGuard guard(device);
+  at::Tensor y = at::empty({T, H}, x.options());
+  epflow::ForwardArgs a;
+  a.num_tokens = T;
+  a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  a.topk_idx = topk_idx.data_ptr<int32_t>();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.weights.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
+  a.weights.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
+  a.weights.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
+  a.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  check_status(h.layer().forward(a, stream, nullptr), "forward");
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(epflow, m) {
+  m.class_<Handle>("Handle")
+      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, double, int64_t, int64_t, int64_t>())
+      .def("id", &Handle::id)
+      .def("device", &Handle::device)
+      .def("memory", &Handle::memory)
+      .def("__repr__", &Handle::repr);
+  m.def("get_unique_id() -> Tensor", &get_unique_id);
+  m.def(
+      "moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w_gate, "
+      "Tensor w_up, Tensor w_down) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(epflow, CUDA, m) { m.impl("moe_forward", &moe_forward); }

@@ -1,0 +1,196 @@
+"""EPFlow from PyTorch: the expert-parallel MoE layer as a torch op and an nn.Module.
+
+    import torch, torch.distributed as dist, epflow
+    dist.init_process_group("nccl")                     # torchrun: one process per GPU
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    layer = epflow.MoELayer(hidden=7168, intermediate=2048, num_experts=256, top_k=8,
+                            max_tokens_per_rank=4096)   # this rank's 256/world experts
+    y = layer(x, topk_idx, topk_weights)                # x [T,H] bf16 on this GPU
+
+The op `torch.ops.epflow.moe_forward(handle_id, x, topk_idx, topk_weights, w_gate, w_up, w_down)`
+runs EPFlow's GPU forward on the current CUDA stream; it has a fake (meta) implementation for
+torch.compile and is CUDA-graph capturable. Backward raises NotImplementedError until EPFlow's
+GPU backward exists (issue [F]): there is no fallback to another implementation.
+"""
+import atexit
+import glob
+import math
+import os
+
+import torch
+import torch.nn as nn
+
+__all__ = ["MoELayer", "create_handle", "release_handles", "BACKWARD_NOT_IMPLEMENTED"]
+
+BACKWARD_NOT_IMPLEMENTED = "EPFlow's GPU backward is not implemented yet (issue [F])"
+
+
+def _load_library():
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_epflow_torch*.so")))
+    if not found:
+        raise ImportError(
+            f"epflow: the compiled extension _epflow_torch.so is not in {here}. Build it with "
+            "`pip install .` from the repository, or `cmake -S . -B build -DEPFLOW_BUILD_PYTHON=ON "
+            "&& cmake --build build` (which copies it into python/epflow/) and PYTHONPATH=python.")
+    torch.ops.load_library(found[0])
+
+
+_load_library()
+from . import _C  # noqa: E402  (the ops above must be loaded first)
+
+
+# --- the op's fake implementation (torch.compile / FakeTensor / meta) and autograd --------------
+@torch.library.register_fake("epflow::moe_forward")
+def _moe_forward_fake(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down):
+    torch._check(x.dim() == 2, lambda: f"epflow.moe_forward: x must be [T, H], got {x.shape}")
+    torch._check(topk_idx.dim() == 2 and topk_idx.shape[0] == x.shape[0],
+                 lambda: "epflow.moe_forward: topk_idx must be [T, K]")
+    torch._check(topk_weights.shape == topk_idx.shape,
+                 lambda: "epflow.moe_forward: topk_weights must have topk_idx's shape")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+def _backward(ctx, grad_y):
+    raise NotImplementedError(BACKWARD_NOT_IMPLEMENTED)
+
+
+# NOTES: autograd is registered on the op itself (torch.library.register_autograd, the custom-op
+# form of an autograd.Function), so that calling the op directly, MoELayer, and torch.compile all
+# get the same clear error. Under torch.compile with inputs that require grad, AOTAutograd traces
+# the backward while compiling, so the NotImplementedError appears at compile time there; use
+# torch.no_grad() / inference_mode() for compiled forward-only runs.
+torch.library.register_autograd("epflow::moe_forward", _backward, setup_context=_setup_context)
+
+
+# --- handles: one NCCL communicator + epflow::Layer per (process group, device, shape) ---------
+_HANDLES = {}
+
+
+def _group_info(group):
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("epflow: a process group was given but torch.distributed is not "
+                               "initialized")
+        return None, (0,), 1, 0
+    if group is None:
+        group = dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return group, ranks, dist.get_world_size(group), dist.get_rank(group)
+
+
+def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *, group=None,
+                  device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0, ring_rows=0):
+    """Returns (key, handle) for this shape on this process group, creating it once.
+
+    Creation is collective over `group` (default: the world group; without torch.distributed,
+    a single rank): every rank must call it, in the same order, with the same shape. Rank 0 of
+    the group makes an ncclUniqueId and broadcasts it over the group (broadcast_object_list);
+    every rank then makes its own NCCL communicator and epflow::Layer on `device`.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("epflow: EPFlow runs on CUDA GPUs only (sm_90a); no CUDA device here")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+        else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"epflow: device must be a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    group, ranks, world, rank = _group_info(group)
+    shape = (int(hidden), int(intermediate), int(num_experts), int(top_k),
+             int(max_tokens_per_rank), float(timeout_seconds), int(comm_sms),
+             int(minibatch_rows), int(ring_rows))
+    key = (ranks, device.index) + shape
+    if key in _HANDLES:
+        return key, _HANDLES[key]
+    with torch.cuda.device(device):
+        if group is None:
+            uid = _C.get_unique_id()
+        else:
+            import torch.distributed as dist
+            obj = [_C.get_unique_id() if rank == 0 else None]
+            dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
+            uid = obj[0]
+        handle = torch.classes.epflow.Handle(
+            torch.frombuffer(bytearray(uid), dtype=torch.uint8), world, rank, device.index,
+            *shape)
+    _HANDLES[key] = handle
+    return key, handle
+
+
+def release_handles():
+    """Destroys every cached handle (their NCCL communicators and layers). Call it on every rank
+    after the last forward, before dist.destroy_process_group(); modules that used them stop
+    working."""
+    if _HANDLES and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _HANDLES.clear()
+
+
+atexit.register(release_handles)
+
+
+class MoELayer(nn.Module):
+    """EPFlow's expert-parallel MoE layer (SwiGLU experts), this rank's experts as parameters.
+
+    Experts are split over the ranks of `group` (default: the world group; a single rank
+    without torch.distributed): rank r owns global experts [r*E_local, (r+1)*E_local),
+    E_local = num_experts / world. Parameters (bf16, nn.Linear's layout and init):
+    w_gate, w_up [E_local, intermediate, hidden], w_down [E_local, hidden, intermediate].
+
+    forward(x [..., H] bf16, topk_idx [..., K] global expert ids (-1: empty slot),
+    topk_weights [..., K]) -> y [..., H] bf16. Every rank of the group must call forward the
+    same number of times (each call is collective); T may differ per rank, up to
+    max_tokens_per_rank. Layers of the same shape on the same group share one handle (calls
+    are stream-ordered, so run them on one stream).
+    """
+
+    def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *,
+                 group=None, device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0,
+                 ring_rows=0):
+        super().__init__()
+        self._key, handle = create_handle(
+            hidden, intermediate, num_experts, top_k, max_tokens_per_rank, group=group,
+            device=device, timeout_seconds=timeout_seconds, comm_sms=comm_sms,
+            minibatch_rows=minibatch_rows, ring_rows=ring_rows)
+        self._handle_id = int(handle.id())
+        dev = torch.device("cuda", int(handle.device()))
+        _, _, world, rank = _group_info(group)
+        self.hidden, self.intermediate = int(hidden), int(intermediate)
+        self.num_experts, self.top_k = int(num_experts), int(top_k)
+        self.ep_size, self.ep_rank = world, rank
+        self.experts_per_rank = self.num_experts // world
+        e = self.experts_per_rank
+        kw = dict(device=dev, dtype=torch.bfloat16)
+        self.w_gate = nn.Parameter(torch.empty(e, self.intermediate, self.hidden, **kw))
+        self.w_up = nn.Parameter(torch.empty(e, self.intermediate, self.hidden, **kw))
+        self.w_down = nn.Parameter(torch.empty(e, self.hidden, self.intermediate, **kw))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        # nn.Linear's default: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        for w, fan_in in ((self.w_gate, self.hidden), (self.w_up, self.hidden),
+                          (self.w_down, self.intermediate)):
+            bound = 1.0 / math.sqrt(fan_in)
+            w.uniform_(-bound, bound)
+
+    def extra_repr(self):
+        return (f"hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"ep_rank={self.ep_rank}/{self.ep_size}, experts_per_rank={self.experts_per_rank}")
+
+    def forward(self, x, topk_idx, topk_weights):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden).contiguous()
+        idx = topk_idx.reshape(-1, self.top_k).to(torch.int32).contiguous()
+        w = topk_weights.reshape(-1, self.top_k).to(torch.float32).contiguous()
+        y = torch.ops.epflow.moe_forward(self._handle_id, x2, idx, w, self.w_gate, self.w_up,
+                                         self.w_down)
+        return y.reshape(*lead, self.hidden)
+

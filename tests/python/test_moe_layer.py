@@ -1,0 +1,148 @@
+# EPFlow from PyTorch on the GPU (issue [G]): forward against a pure-PyTorch reference MoE at EP=1
+# (and EP=2 through torchrun when two GPUs are present), torch.compile, CUDA graphs, and the
+# backward's NotImplementedError. Skipped, with a message, where there is no CUDA device.
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: EPFlow's GPU tests need an H100/H200 (sm_90a)",
+                allow_module_level=True)
+
+import epflow  # noqa: E402
+from epflow.reference import reference_moe, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+H, I, E, K, T_MAX = 256, 128, 8, 4, 192
+TOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def layer():
+    torch.manual_seed(0)
+    m = epflow.MoELayer(H, I, E, K, T_MAX)
+    yield m
+    torch.cuda.synchronize()
+
+
+def _inputs(T, seed=1, empty_slots=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    scores = torch.rand(T, E, device="cuda", generator=g)
+    w, idx = scores.topk(K, dim=1)
+    idx = idx.to(torch.int32)
+    w = (w / w.sum(1, keepdim=True)).float()
+    if empty_slots and T > 0:
+        idx[::7, -1] = -1  # empty slots contribute nothing
+    return x, idx.contiguous(), w.contiguous()
+
+
+def _op(layer, x, idx, w):
+    return torch.ops.epflow.moe_forward(layer._handle_id, x, idx, w, layer.w_gate, layer.w_up,
+                                        layer.w_down)
+
+
+@pytest.mark.parametrize("T", [1, 77, T_MAX])
+def test_forward_matches_reference_ep1(layer, T):
+    x, idx, w = _inputs(T)
+    with torch.no_grad():
+        y = layer(x, idx, w)
+    torch.cuda.synchronize()
+    assert y.shape == (T, H) and y.dtype == torch.bfloat16
+    assert torch.isfinite(y).all(), "non-finite output"
+    ref = reference_moe(x, idx, w, layer.w_gate, layer.w_up, layer.w_down)
+    err = rel_err(y, ref)
+    assert err <= TOL, f"rel err {err:.3e} > {TOL} at T={T}"
+
+
+def test_zero_tokens(layer):
+    x, idx, w = _inputs(0)
+    with torch.no_grad():
+        y = layer(x, idx, w)
+    torch.cuda.synchronize()
+    assert y.shape == (0, H)
+
+
+def test_argument_errors_are_clear(layer):
+    x, idx, w = _inputs(16)
+    with pytest.raises(RuntimeError, match="topk_idx must be Int"):
+        _op(layer, x, idx.long(), w)
+    with pytest.raises(RuntimeError, match="x must be BFloat16"):
+        _op(layer, x.float(), idx, w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        _op(layer, x.t().contiguous().t(), idx, w)
+    with pytest.raises(RuntimeError, match="max_tokens_per_rank"):
+        xb, ib, wb = _inputs(T_MAX + 1)
+        _op(layer, xb, ib, wb)
+    with pytest.raises(RuntimeError, match="does not exist"):
+        torch.ops.epflow.moe_forward(10**9, x, idx, w, layer.w_gate, layer.w_up, layer.w_down)
+
+
+def test_torch_compile_matches_eager(layer):
+    x, idx, w = _inputs(100, seed=2)
+
+    def fn(x, idx, w, g, u, d):
+        return torch.ops.epflow.moe_forward(layer._handle_id, x, idx, w, g, u, d) * 2.0
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = fn(x, idx, w, layer.w_gate, layer.w_up, layer.w_down)
+        compiled = torch.compile(fn, fullgraph=False)(x, idx, w, layer.w_gate, layer.w_up,
+                                                      layer.w_down)
+        mod = torch.compile(layer)(x, idx, w)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)  # no atomics: deterministic
+    torch.testing.assert_close(mod * 2.0, eager, rtol=0, atol=0)
+
+
+def test_cuda_graph_capture_and_replay(layer):
+    x, idx, w = _inputs(64, seed=3)
+    sx, sidx, sw = x.clone(), idx.clone(), w.clone()
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside the capture
+            for _ in range(2):
+                _op(layer, sx, sidx, sw)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            sy = _op(layer, sx, sidx, sw)
+        for seed in (4, 5):
+            nx, nidx, nw = _inputs(64, seed=seed)
+            sx.copy_(nx), sidx.copy_(nidx), sw.copy_(nw)
+            g.replay()
+            eager = _op(layer, nx, nidx, nw)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(sy, eager, rtol=0, atol=0)
+            assert rel_err(sy, reference_moe(nx, nidx, nw, layer.w_gate, layer.w_up,
+                                             layer.w_down)) <= TOL
+
+
+def test_backward_raises_not_implemented(layer):
+    x, idx, w = _inputs(32, seed=6)
+    x.requires_grad_(True)
+    y = layer(x, idx, w)
+    assert y.requires_grad
+    with pytest.raises(NotImplementedError, match=r"issue \[F\]"):
+        y.float().sum().backward()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs")
+def test_forward_matches_reference_ep2():
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(epflow.__file__)), env.get("PYTHONPATH", "")])
+    torchrun = shutil.which("torchrun")
+    cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
+        "--standalone", "--nproc_per_node", "2", os.path.join(here, "run_ep2.py")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    assert r.stdout.count("EP2 OK") == 2, r.stdout
