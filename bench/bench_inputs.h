@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common/hd.h"
+#include "common/splitmix64.h"
 
 namespace epflow::bench {
 
@@ -36,12 +37,7 @@ enum class InputStream : uint32_t {
   kRouteWeight = 6,
 };
 
-EPFLOW_HD uint64_t mix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+EPFLOW_HD uint64_t mix64(uint64_t z) { return splitmix64(z); }
 
 EPFLOW_HD uint64_t stream_key(uint64_t seed, InputStream stream, uint32_t rank) {
   return mix64(seed ^ mix64((uint64_t{static_cast<uint32_t>(stream)} << 32) | rank));

@@ -1,5 +1,7 @@
 #include "reference/synthetic.h"
 
+#include "common/splitmix64.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -21,13 +23,6 @@ enum class Stream : uint64_t {
   kPopularity = 4,
   kExpertWeights = 5,
 };
-
-uint64_t splitmix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 // mt19937_64's output is fixed by the standard; the mappings below avoid the library's
 // distributions, whose algorithms are not, so a seed gives the same data everywhere.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/routing_schedule.h"
+#include "common/splitmix64.h"
 #include "gpu_test_util.h"
 #include "kernels/expert_ffn.cuh"
 
@@ -38,13 +39,6 @@ uint16_t float_to_bf16(float f) {
   std::memcpy(&u, &f, sizeof u);
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
-}
-
-uint64_t splitmix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
 }
 
 // Element `index` of stream `stream`: uniform over the odd multiples of 2^-24 in (-1, 1), as
