@@ -518,12 +518,14 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
   const double row_bytes = 2.0 * c.hidden;
   std::ostringstream js;
   js << "{\"system\": \"" << system << "\", \"direction\": \"fwd\", \"preset\": \"" << p.name
-     << "\", \"tokens\": " << T << ", \"layer_us\": " << slow.total_us
-     << ", \"layer_tflops_per_gpu\": " << flops / slow.total_us * 1e-6;
-  for (int st = 0; st < kStages; ++st) js << ", \"stage_us_" << st << "\": " << slow.stage_us[st];
-  js << ", \"ffn_tflops_per_gpu\": " << ffn_flops / slow.stage_us[2] * 1e-6
-     << ", \"dispatch_nvlink_bytes\": " << slow.nvlink_rows_in * row_bytes
-     << ", \"combine_nvlink_bytes\": " << slow.nvlink_rows_out * row_bytes;
+     << "\", \"tokens\": " << T << ", \"layer_us\": " << json_num(slow.total_us)
+     << ", \"layer_tflops_per_gpu\": " << json_num(flops / slow.total_us * 1e-6);
+  for (int st = 0; st < kStages; ++st)
+    js << ", \"stage_us_" << st << "\": " << json_num(slow.stage_us[st]);
+  // json_num: a stage of 0 us (no rows received) gives inf, which is not JSON.
+  js << ", \"ffn_tflops_per_gpu\": " << json_num(ffn_flops / slow.stage_us[2] * 1e-6)
+     << ", \"dispatch_nvlink_bytes\": " << json_num(slow.nvlink_rows_in * row_bytes)
+     << ", \"combine_nvlink_bytes\": " << json_num(slow.nvlink_rows_out * row_bytes);
   if (!check.against.empty())
     js << ", \"check\": \"" << check.verdict() << "\", \"check_against\": \"" << check.against
        << "\", \"check_rel_err\": " << json_num(check.rel_err);

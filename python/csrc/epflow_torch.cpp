@@ -149,6 +149,10 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
               ", got ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), "epflow.moe_forward: ", name,
               " must be contiguous (row-major); call .contiguous()");
+  // The kernels move rows with 16-byte vectors and TMA: a view at an odd offset would fault.
+  TORCH_CHECK(t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              "epflow.moe_forward: ", name, " must start at a 16-byte aligned address (a view at "
+              "an offset is not); call .clone()");
 }
 
 at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& topk_idx,
