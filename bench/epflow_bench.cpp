@@ -38,6 +38,8 @@ namespace {
 using namespace epflow;
 
 constexpr const char* kNcclCublas = "nccl-cublas";
+constexpr const char* kUnfused = "epflow-unfused";  // issue [B]'s chain of separate kernels
+constexpr const char* kSweep = "epflow-sweep";      // EPFlow with --comm-sms / --minibatch-rows
 constexpr double kRelTol = 2e-2;  // relative-norm tolerance of every output check
 
 struct Options {
@@ -48,16 +50,21 @@ struct Options {
   int32_t iters = 20;
   uint64_t seed = 1;
   std::string json;                                    // write results here as JSON
-  std::vector<std::string> baselines = {kNcclCublas};  // timed after EPFlow
+  std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
   bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
+  // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
+  std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows;
 };
 
 void usage() {
   std::printf(
       "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
       "                    [--warmup N] [--seed S] [--json PATH] [--baselines LIST] [--check]\n"
-      "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas (default),\n"
-      "               or none\n"
+      "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
+      "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
+      "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
+      "  --comm-sms, --minibatch-rows  also time EPFlow with each pair of these knobs\n"
+      "               (system epflow-sweep; 0 = the automatic default)\n"
       "  --check      compare EPFlow's and the baselines' outputs with the CPU reference on a\n"
       "               small shape (default: preset tiny, 64 tokens, EP 2 if 2 GPUs, else 1);\n"
       "               exit 1 on a mismatch\n"
@@ -102,10 +109,14 @@ bool parse(int argc, char** argv, Options* o) {
       if (o->baselines == std::vector<std::string>{"none"}) {
         o->baselines.clear();
       } else if (o->baselines.empty() ||
-                 std::any_of(o->baselines.begin(), o->baselines.end(),
-                             [](const std::string& b) { return b != kNcclCublas; })) {
+                 std::any_of(o->baselines.begin(), o->baselines.end(), [](const std::string& b) {
+                   return b != kNcclCublas && b != kUnfused;
+                 })) {
         return false;
       }
+    } else if (a == "--comm-sms" || a == "--minibatch-rows") {
+      auto& list = a == "--comm-sms" ? o->sweep_comm_sms : o->sweep_minibatch_rows;
+      for (const auto& t : split(v)) list.push_back(std::atoll(t.c_str()));
     } else {
       return false;
     }
@@ -194,6 +205,7 @@ const char* const kStageNames[kStages] = {"metadata+schedule", "dispatch", "expe
 static_assert(bench::NcclCublasMoe::kStages == kStages, "the baseline reports the same stages");
 
 struct RankResult {
+  runtime::LayerPlan plan;  // EPFlow's resolved knobs (SM split, minibatch, ring)
   double total_us = 0;
   double stage_us[kStages] = {};
   int64_t routed_slots = 0;     // this rank's (token, k) slots with an expert
@@ -360,13 +372,26 @@ Status fetch_rows(const __nv_bfloat16* y, const std::vector<int64_t>& tokens, in
   return Status::ok_status();
 }
 
+// One way of running EPFlow: the megakernel with given knobs (0 = automatic) or the unfused chain.
+struct Variant {
+  const char* system;
+  int32_t comm_sms = 0;
+  int64_t minibatch_rows = 0;
+  bool unfused = false;
+};
+
 // EPFlow on this rank: timing of the layer and its stages, and the rows of y of `checked`.
-Status bench_epflow_rank(const LayerConfig& c, const std::vector<bench::Routing>& routing,
-                         int64_t T, const Options& o, ncclComm_t comm,
-                         const std::vector<int64_t>& checked, RankResult* out,
+Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
+                         const std::vector<bench::Routing>& routing, int64_t T, const Options& o,
+                         ncclComm_t comm, const std::vector<int64_t>& checked, RankResult* out,
                          std::vector<float>* y_rows) {
+  LayerConfig c = base;
+  c.comm_sms = v.comm_sms;
+  c.minibatch_rows = v.minibatch_rows;
   std::unique_ptr<Layer> layer;
   EPFLOW_RETURN_IF_ERROR(Layer::create(c, comm, &layer));
+  if (v.unfused) EPFLOW_RETURN_IF_ERROR(LayerInternals::use_unfused_forward(*layer, true));
+  out->plan = LayerInternals::plan(*layer);
   Stream stream;
   EPFLOW_RETURN_IF_ERROR(stream.create());
   RankData data;
@@ -512,7 +537,7 @@ const RankResult& slowest(const std::vector<RankResult>& results) {
 // One system's run object: time and rate of the layer and its stages (the slowest rank's), the
 // NVLink traffic (a property of the routing, the same for every system), the check if one ran.
 std::string run_json(const char* system, const bench::Preset& p, int64_t T, const LayerConfig& c,
-                     const RankResult& slow, const Check& check) {
+                     const RankResult& slow, const Check& check, const Variant* variant) {
   const double flops = forward_flops(c, slow.routed_slots);
   const double ffn_flops = forward_flops(c, slow.rows_received);
   const double row_bytes = 2.0 * c.hidden;
@@ -526,6 +551,14 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
   js << ", \"ffn_tflops_per_gpu\": " << json_num(ffn_flops / slow.stage_us[2] * 1e-6)
      << ", \"dispatch_nvlink_bytes\": " << json_num(slow.nvlink_rows_in * row_bytes)
      << ", \"combine_nvlink_bytes\": " << json_num(slow.nvlink_rows_out * row_bytes);
+  if (variant) {
+    js << ", \"fused\": " << (variant->unfused ? "false" : "true");
+    if (!variant->unfused)
+      js << ", \"comm_sms\": " << slow.plan.comm_sms
+         << ", \"minibatch_rows\": " << slow.plan.minibatch_rows
+         << ", \"ring_rows\": " << slow.plan.ring_rows
+         << ", \"ring_bytes\": " << slow.plan.ring_bytes;
+  }
   if (!check.against.empty())
     js << ", \"check\": \"" << check.verdict() << "\", \"check_against\": \"" << check.against
        << "\", \"check_rel_err\": " << json_num(check.rel_err);
@@ -533,25 +566,26 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
   return js.str();
 }
 
+// EPFlow's fused forward, per stage. Its events: start, schedule done, megakernel start (right
+// after), megakernel end, end; so stage 1 is empty and stage 2 is the megakernel (dispatch,
+// expert FFN and combine, overlapped).
 void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c, const RankResult& slow) {
   const double flops = forward_flops(c, slow.routed_slots);
   const double ffn_flops = forward_flops(c, slow.rows_received);
-  const double row_bytes = 2.0 * c.hidden;
-  std::printf("\n%s (H %lld, I %lld, %d experts/rank, top-%d), %lld tokens/rank\n", p.name.c_str(),
-              (long long)c.hidden, (long long)c.intermediate, c.experts_per_rank(), c.top_k,
-              (long long)T);
-  std::printf("  %-20s %10s %12s %14s %10s\n", "stage", "us", "TFLOP/s/GPU", "NVLink MB", "GB/s");
-  std::printf("  %-20s %10.1f %12.1f\n", "layer", slow.total_us, flops / slow.total_us * 1e-6);
-  for (int st = 0; st < kStages; ++st) {
-    const double us = slow.stage_us[st];
-    std::printf("  %-20s %10.1f", kStageNames[st], us);
-    if (st == 2) std::printf(" %12.1f", ffn_flops / us * 1e-6);
-    if (st == 1 || st == 3) {
-      const double bytes = (st == 1 ? slow.nvlink_rows_in : slow.nvlink_rows_out) * row_bytes;
-      std::printf(" %12s %14.1f %10.1f", "", bytes * 1e-6, bytes / us * 1e-3);
-    }
-    std::printf("\n");
-  }
+  const double nvlink_bytes = (slow.nvlink_rows_in + slow.nvlink_rows_out) * 2.0 * c.hidden;
+  std::printf("\n%s (H %lld, I %lld, %d experts/rank, top-%d), %lld tokens/rank; megakernel: %d "
+              "comm + %d compute SMs, minibatch %lld rows, ring %lld rows (%.0f MB)\n",
+              p.name.c_str(), (long long)c.hidden, (long long)c.intermediate, c.experts_per_rank(),
+              c.top_k, (long long)T, slow.plan.comm_sms, slow.plan.compute_sms,
+              (long long)slow.plan.minibatch_rows, (long long)slow.plan.ring_rows,
+              slow.plan.ring_bytes * 1e-6);
+  std::printf("  %-26s %10s %12s %14s %10s\n", "stage", "us", "TFLOP/s/GPU", "NVLink MB", "GB/s");
+  std::printf("  %-26s %10.1f %12.1f\n", "layer", slow.total_us, flops / slow.total_us * 1e-6);
+  std::printf("  %-26s %10.1f\n", "metadata+schedule", slow.stage_us[0]);
+  const double mk = slow.stage_us[1] + slow.stage_us[2];
+  std::printf("  %-26s %10.1f %12.1f %14.1f %10.1f\n", "megakernel (dispatch+FFN+combine)", mk,
+              ffn_flops / mk * 1e-6, nvlink_bytes * 1e-6, nvlink_bytes / mk * 1e-3);
+  std::printf("  %-26s %10.1f\n", "barrier+sum", slow.stage_us[3]);
 }
 
 // A system's line of the comparison table under EPFlow's stages; `epflow` null on EPFlow's own.
@@ -560,7 +594,7 @@ void print_system(const char* system, const LayerConfig& c, const RankResult& sl
   const double tflops = forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6;
   char ratio[32] = "";
   if (epflow) std::snprintf(ratio, sizeof ratio, "%.2fx", slow.total_us / epflow->total_us);
-  std::printf("  %-20s %10.1f %12.1f %14s", system, slow.total_us, tflops, ratio);
+  std::printf("  %-26s %10.1f %12.1f %14s", system, slow.total_us, tflops, ratio);
   if (!check.against.empty())
     std::printf("  %s (rel. err %.1e vs %s, %zu tokens/rank)", check.verdict(), check.rel_err,
                 check.against.c_str(), checked_tokens);
@@ -581,6 +615,15 @@ int run_gpu(const Options& o, int devices) {
                                             : std::vector<int64_t>{4096};
   const bool nccl_cublas =
       std::find(o.baselines.begin(), o.baselines.end(), kNcclCublas) != o.baselines.end();
+  std::vector<Variant> variants = {Variant{"epflow"}};
+  if (!o.sweep_comm_sms.empty() || !o.sweep_minibatch_rows.empty()) {
+    const std::vector<int64_t> none = {0};
+    for (int64_t cs : o.sweep_comm_sms.empty() ? none : o.sweep_comm_sms)
+      for (int64_t mb : o.sweep_minibatch_rows.empty() ? none : o.sweep_minibatch_rows)
+        variants.push_back(Variant{kSweep, static_cast<int32_t>(cs), mb});
+  }
+  if (std::find(o.baselines.begin(), o.baselines.end(), kUnfused) != o.baselines.end())
+    variants.push_back(Variant{kUnfused, 0, 0, true});
   const std::string device = device_name();
   const char* commit = std::getenv("EPFLOW_COMMIT");
   std::printf("epflow-bench: %d x %s, EP=%d, bf16, median of %d iterations after %d warm-up\n", ep,
@@ -628,22 +671,28 @@ int run_gpu(const Options& o, int devices) {
         checked.resize(T);
         for (int64_t t = 0; t < T; ++t) checked[t] = t;
       }
-      std::vector<std::vector<float>> y_epflow(ep), y_base(ep);
+      std::vector<std::vector<RankResult>> variant_results(variants.size(), results);
+      std::vector<std::vector<std::vector<float>>> y_variant(variants.size(),
+                                                             std::vector<std::vector<float>>(ep));
+      std::vector<std::vector<float>> y_base(ep);
       std::mutex mu;
       auto keep_times = [&mu](const RankResult& from, RankResult* to) {
         std::lock_guard<std::mutex> lock(mu);
+        to->plan = from.plan;
         to->total_us = from.total_us;
         std::copy(from.stage_us, from.stage_us + kStages, to->stage_us);
       };
-      // Both systems on one communicator, one after the other: every rank destroys EPFlow's
-      // layer (and its windows) before any of its baseline's NCCL calls, in the same order.
+      // Every system on one communicator, one after the other: every rank destroys each EPFlow
+      // layer (and its windows) before the next system's calls, in the same order.
       const Status s = run_on_local_gpus(ep, [&](int rank, ncclComm_t comm) {
         LayerConfig rc = c;
         rc.ep_rank = rank;
         RankResult r;
-        EPFLOW_RETURN_IF_ERROR(
-            bench_epflow_rank(rc, routing, T, o, comm, checked, &r, &y_epflow[rank]));
-        keep_times(r, &results[rank]);
+        for (size_t v = 0; v < variants.size(); ++v) {
+          EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(rc, variants[v], routing, T, o, comm, checked,
+                                                   &r, &y_variant[v][rank]));
+          keep_times(r, &variant_results[v][rank]);
+        }
         if (!nccl_cublas) return Status::ok_status();
         EPFLOW_RETURN_IF_ERROR(
             bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
@@ -654,33 +703,45 @@ int run_gpu(const Options& o, int devices) {
         std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
         return 1;
       }
-      Check epflow_check, base_check;
+      std::vector<Check> variant_check(variants.size());
+      Check base_check;
       if (o.check) {
         const auto ref = reference_y(c, routing, T, o.seed);
-        epflow_check = compare(y_epflow, ref, "reference");
+        for (size_t v = 0; v < variants.size(); ++v)
+          variant_check[v] = compare(y_variant[v], ref, "reference");
         if (nccl_cublas) base_check = compare(y_base, ref, "reference");
-      } else if (nccl_cublas) {
-        base_check = compare(y_base, y_epflow, "epflow");
+      } else {
+        for (size_t v = 1; v < variants.size(); ++v)
+          variant_check[v] = compare(y_variant[v], y_variant[0], "epflow");
+        if (nccl_cublas) base_check = compare(y_base, y_variant[0], "epflow");
       }
       // The slowest rank sets the layer's time; report it, per stage too.
-      const RankResult& slow = slowest(results);
+      const RankResult& slow = slowest(variant_results[0]);
       print_epflow(*p, T, c, slow);
-      if (nccl_cublas || o.check) {
-        std::printf("  %-20s %10s %12s %14s  %s\n", "system", "us", "TFLOP/s/GPU", "EPFlow speedup",
-                    "check");
-        print_system("epflow", c, slow, nullptr, epflow_check, checked.size());
+      std::printf("  %-26s %10s %12s %14s  %s\n", "system", "us", "TFLOP/s/GPU",
+                  "EPFlow speedup", "check");
+      for (size_t v = 0; v < variants.size(); ++v) {
+        const RankResult& vs = slowest(variant_results[v]);
+        char label[64];
+        if (variants[v].system == std::string(kSweep))
+          std::snprintf(label, sizeof label, "epflow comm %d, mb %lld", vs.plan.comm_sms,
+                        static_cast<long long>(vs.plan.minibatch_rows));
+        else
+          std::snprintf(label, sizeof label, "%s", variants[v].system);
+        print_system(label, c, vs, v == 0 ? nullptr : &slow, variant_check[v], checked.size());
+        json << (first ? "" : ",") << "\n    "
+             << run_json(variants[v].system, *p, T, c, vs, variant_check[v], &variants[v]);
+        first = false;
+        all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
       }
-      json << (first ? "" : ",") << "\n    " << run_json("epflow", *p, T, c, slow, epflow_check);
-      first = false;
-      all_ok = all_ok && (epflow_check.against.empty() || epflow_check.ok());
       if (nccl_cublas) {
         const RankResult& base = slowest(base_results);
         print_system(kNcclCublas, c, base, &slow, base_check, checked.size());
-        std::printf("  %-20s", "  its stages (us)");
+        std::printf("  %-26s", "  its stages (us)");
         for (int st = 0; st < kStages; ++st)
           std::printf("%s %s %.1f", st ? "," : "", kStageNames[st], base.stage_us[st]);
         std::printf("\n");
-        json << ",\n    " << run_json(kNcclCublas, *p, T, c, base, base_check);
+        json << ",\n    " << run_json(kNcclCublas, *p, T, c, base, base_check, nullptr);
         all_ok = all_ok && base_check.ok();
       }
     }

@@ -22,6 +22,7 @@ def plot(runs: list[dict], title: str, out: Path) -> None:
     matplotlib.use("Agg")  # no display on the GPU machine
     import matplotlib.pyplot as plt
 
+    runs = [r for r in runs if r["system"] != "epflow-sweep"]  # the knob sweep has its table
     presets = list(dict.fromkeys(r["preset"] for r in runs))
     eps = sorted({r["ep"] for r in runs})
     series = sorted({(r["system"], r["direction"]) for r in runs}, key=lambda s: series_key(*s))

@@ -13,6 +13,52 @@ def load(path):
         return json.load(f)
 
 
+SWEEP = "epflow-sweep"
+
+
+def is_baseline(system):
+    """Systems EPFlow is compared with: not EPFlow's own variants (unfused chain, knob sweep)."""
+    return not system.startswith("epflow")
+
+
+def render_fused(docs):
+    """EPFlow's fused forward per stage: the megakernel is one stage (dispatch, expert FFN and
+    combine overlapped inside it); its TFLOP/s count the rows this GPU's experts computed."""
+    print("| preset | tokens/rank | EP | layer µs | layer TFLOP/s/GPU | metadata+schedule µs "
+          "| megakernel µs (expert TFLOP/s, NVLink GB/s) | barrier+sum µs | comm/compute SMs "
+          "| minibatch rows | ring rows (MB) | device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for doc in docs:
+        for r in doc["runs"]:
+            mk = r["stage_us_1"] + r["stage_us_2"]
+            nvlink = r["dispatch_nvlink_bytes"] + r["combine_nvlink_bytes"]
+            ffn = r["ffn_tflops_per_gpu"] * r["stage_us_2"] / mk if r["ffn_tflops_per_gpu"] else 0
+            print(f"| {r['preset']} | {r['tokens']} | {r.get('ep', doc.get('ep'))} "
+                  f"| {r['layer_us']:.0f} | {r['layer_tflops_per_gpu']:.1f} "
+                  f"| {r['stage_us_0']:.0f} | {mk:.0f} ({ffn:.0f}, {nvlink / mk * 1e-3:.0f}) "
+                  f"| {r['stage_us_3']:.0f} | {r['comm_sms']} | {r['minibatch_rows']} "
+                  f"| {r['ring_rows']} ({r['ring_bytes'] * 1e-6:.0f}) "
+                  f"| {doc['device']} | {doc['commit']} |")
+
+
+def render_sweep(runs):
+    """The knob sweep: every (comm SMs, minibatch rows) pair next to the automatic default."""
+    defaults = {(r["preset"], r["tokens"], r["ep"]): r for r in runs
+                if r["system"] == "epflow" and r["direction"] == "fwd"}
+    print("| preset | tokens/rank | EP | comm SMs | minibatch rows | layer µs | TFLOP/s/GPU "
+          "| vs default | default: comm SMs, minibatch rows |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in sorted((r for r in runs if r["system"] == SWEEP),
+                    key=lambda r: (r["preset"], r["ep"], r["tokens"], r["comm_sms"],
+                                   r["minibatch_rows"])):
+        d = defaults.get((r["preset"], r["tokens"], r["ep"]))
+        vs = f"{d['layer_us'] / r['layer_us']:.2f}x" if d else "n/a"
+        dk = f"{d['comm_sms']}, {d['minibatch_rows']}" if d else "n/a"
+        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['comm_sms']} "
+              f"| {r['minibatch_rows']} | {r['layer_us']:.0f} | {r['layer_tflops_per_gpu']:.1f} "
+              f"| {vs} | {dk} |")
+
+
 def render_layer(docs):
     print("| preset | tokens/rank | EP | layer µs | layer TFLOP/s/GPU | metadata+schedule µs "
           "| dispatch µs (GB/s) | expert FFN µs | combine+sum µs (GB/s) | device | commit |")
@@ -52,15 +98,18 @@ def series_key(system, direction):
 def render_comparison(runs):
     """Side-by-side µs and TFLOP/s per GPU of every (system, direction) per (preset, tokens, EP),
     and EPFlow's forward speedup over the fastest baseline forward of the same row."""
+    runs = [r for r in runs if r["system"] != SWEEP]
     series = sorted({(r["system"], r["direction"]) for r in runs}, key=lambda s: series_key(*s))
     presets = list(dict.fromkeys(r["preset"] for r in runs))
+    unfused = ("epflow-unfused", "fwd") in series
     rows = {}
     for r in runs:
         rows.setdefault((r["preset"], r["tokens"], r["ep"]), {})[(r["system"], r["direction"])] = r
     print("| preset | tokens/rank | EP | "
           + " | ".join(f"{s} {d} µs (TFLOP/s/GPU)" for s, d in series)
-          + " | EPFlow fwd speedup vs best baseline fwd | device | commit |")
-    print("|---|---|---|" + "---|" * len(series) + "---|---|---|")
+          + " | EPFlow fwd speedup vs best baseline fwd"
+          + (" | EPFlow fused vs unfused" if unfused else "") + " | device | commit |")
+    print("|---|---|---|" + "---|" * len(series) + "---|" * (1 + unfused) + "---|---|")
     for preset, tokens, ep in sorted(rows, key=lambda k: (presets.index(k[0]), -k[2], k[1])):
         row = rows[(preset, tokens, ep)]
         cells = []
@@ -68,7 +117,7 @@ def render_comparison(runs):
             r = row.get(key)
             cells.append("n/a" if r is None else
                          f"{r['layer_us']:.0f} ({r['layer_tflops_per_gpu']:.1f})")
-        baselines = [r for (s, d), r in row.items() if s != "epflow" and d == "fwd"]
+        baselines = [r for (s, d), r in row.items() if is_baseline(s) and d == "fwd"]
         speedup = "n/a"
         if ("epflow", "fwd") in row and baselines:
             best = min(baselines, key=lambda r: r["layer_us"])
@@ -76,8 +125,24 @@ def render_comparison(runs):
                        f"(vs {best['system']})")
         device = " / ".join(dict.fromkeys(r["device"] for r in row.values()))
         commit = " / ".join(dict.fromkeys(r["commit"] for r in row.values()))
+        if unfused:
+            f, u = row.get(("epflow", "fwd")), row.get(("epflow-unfused", "fwd"))
+            speedup += " | " + (f"{u['layer_us'] / f['layer_us']:.2f}x" if f and u else "n/a")
         print(f"| {preset} | {tokens} | {ep} | " + " | ".join(cells)
               + f" | {speedup} | {device} | {commit} |")
+
+
+def render_epflow(docs):
+    """Per-stage tables: fused runs (issue [E] on) and, for older files, the unfused chain."""
+    fused = [{**d, "runs": [r for r in d["runs"] if r.get("fused")]} for d in docs]
+    chain = [{**d, "runs": [r for r in d["runs"] if not r.get("fused")]} for d in docs]
+    fused, chain = [d for d in fused if d["runs"]], [d for d in chain if d["runs"]]
+    if fused:
+        render_fused(fused)
+    if fused and chain:
+        print()
+    if chain:
+        render_layer(chain)
 
 
 def fmt(v, spec):
@@ -123,9 +188,12 @@ def main(paths):
         epflow = [d for d in epflow if d["runs"]]
         if epflow:
             print()
-            render_layer(epflow)
+            render_epflow(epflow)
+        if any(r["system"] == SWEEP for r in runs):
+            print()
+            render_sweep(runs)
     elif layer:
-        render_layer(layer)
+        render_epflow(layer)
     if layer and gemm:
         print()
     if gemm:

@@ -16,6 +16,7 @@
 
 #include "epflow/communicator.h"
 #include "epflow/epflow.h"
+#include "host/layer_internals.h"
 #include "reference/reference_layer.h"
 #include "reference/synthetic.h"
 
@@ -50,9 +51,15 @@ struct LayerRunResult {
       return Status(StatusCode::kCudaError, std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
+struct RunOptions {
+  bool unfused = false;     // the unfused chain of issue [B] instead of the megakernel
+  bool cuda_graph = false;  // capture each call in a CUDA graph, then replay it twice
+};
+
 // Runs every call in order on one Layer per rank (so repeated calls reuse the workspace).
 inline Status run_layer(const LayerConfig& base, const std::vector<reference::RankExperts>& experts,
-                        const std::vector<CallInputs>& calls, LayerRunResult* result) {
+                        const std::vector<CallInputs>& calls, LayerRunResult* result,
+                        const RunOptions& options = {}) {
   const int world = base.ep_size;
   result->y.assign(calls.size(), std::vector<std::vector<float>>(world));
   return run_on_local_gpus(world, [&](int rank, ncclComm_t comm) -> Status {
@@ -60,6 +67,8 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
     c.ep_rank = rank;
     std::unique_ptr<Layer> layer;
     if (Status s = Layer::create(c, comm, &layer); !s.ok()) return s;
+    if (options.unfused)
+      if (Status s = LayerInternals::use_unfused_forward(*layer, true); !s.ok()) return s;
     const auto& ex = experts[rank];
     std::vector<__nv_bfloat16*> w(3, nullptr);
     const std::vector<float>* host_w[3] = {&ex.gate, &ex.up, &ex.down};
@@ -85,7 +94,6 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       EPFLOW_TRY_CUDA(cudaMemcpy(x, xb.data(), T * H * 2, cudaMemcpyHostToDevice));
       EPFLOW_TRY_CUDA(cudaMemcpy(idx, in.topk_idx.data(), T * K * 4, cudaMemcpyHostToDevice));
       EPFLOW_TRY_CUDA(cudaMemcpy(tw, in.topk_weights.data(), T * K * 4, cudaMemcpyHostToDevice));
-      EPFLOW_TRY_CUDA(cudaMemset(y, 0xFF, T_max * H * 2));  // bf16 0xFFFF is NaN: unwritten shows
       ForwardArgs a;
       a.num_tokens = T;
       a.x = x;
@@ -94,8 +102,28 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       a.weights = {w[0], w[1], w[2]};
       a.y = y;
       SavedContext saved;
-      if (Status s = layer->forward(a, stream, &saved); !s.ok()) return s;
-      EPFLOW_TRY_CUDA(cudaStreamSynchronize(stream));
+      if (options.cuda_graph) {
+        // Two replays of one capture: the second proves the graph (barrier epochs, counters)
+        // is valid to relaunch, and its output is the one checked.
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        EPFLOW_TRY_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        const Status s = layer->forward(a, stream, &saved);
+        EPFLOW_TRY_CUDA(cudaStreamEndCapture(stream, &graph));
+        if (!s.ok()) return s;
+        EPFLOW_TRY_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        for (int replay = 0; replay < 2; ++replay) {
+          EPFLOW_TRY_CUDA(cudaMemsetAsync(y, 0xFF, T_max * H * 2, stream));
+          EPFLOW_TRY_CUDA(cudaGraphLaunch(exec, stream));
+        }
+        EPFLOW_TRY_CUDA(cudaStreamSynchronize(stream));
+        EPFLOW_TRY_CUDA(cudaGraphExecDestroy(exec));
+        EPFLOW_TRY_CUDA(cudaGraphDestroy(graph));
+      } else {
+        EPFLOW_TRY_CUDA(cudaMemset(y, 0xFF, T_max * H * 2));  // bf16 0xFFFF is NaN: unwritten shows
+        if (Status s = layer->forward(a, stream, &saved); !s.ok()) return s;
+        EPFLOW_TRY_CUDA(cudaStreamSynchronize(stream));
+      }
       std::vector<__nv_bfloat16> yb(T * H);
       EPFLOW_TRY_CUDA(cudaMemcpy(yb.data(), y, T * H * 2, cudaMemcpyDeviceToHost));
       auto& out = result->y[call][rank];

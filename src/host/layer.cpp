@@ -11,6 +11,7 @@
 #include "kernels/comm/lsa_shim.cuh"
 #include "kernels/expert_ffn.cuh"
 #include "kernels/layer_kernels.cuh"
+#include "kernels/moe_forward_megakernel.cuh"
 #include "kernels/routing_schedule.cuh"
 
 namespace epflow {
@@ -74,8 +75,11 @@ Status validate(const LayerConfig& c, const SavedContext& saved, const BackwardA
       return error_status(StatusCode::kCudaError, #expr, ": ", cudaGetErrorString(e_)); \
   } while (0)
 
-// The unfused forward of issue [B]: symmetric window, device schedule, pull dispatch, expert FFN,
-// push combine, weighted sum; stream-ordered, no host synchronisation (docs/ARCHITECTURE.md).
+// The forward: symmetric window, device schedule, the fused megakernel (pull dispatch, expert FFN,
+// push combine over a ring of routed rows), barrier, weighted sum; stream-ordered, no host
+// synchronisation (docs/ARCHITECTURE.md). The unfused chain of issue [B] (separate dispatch,
+// FFN and combine kernels over buffers for every routable row) stays for the benchmark and tests
+// to compare against (LayerInternals::use_unfused_forward).
 struct Layer::Impl {
   LayerConfig config;
   ncclComm_t comm = nullptr;
@@ -94,19 +98,33 @@ struct Layer::Impl {
   int64_t* tokens = nullptr;                // [world]: each rank's T of the current call
   uint64_t* epoch = nullptr;                // barrier epoch
   int64_t max_rows = 0;                     // pull-table capacity (multiple of the tile)
-  __nv_bfloat16* routed_x = nullptr;        // [max_rows, H]
-  __nv_bfloat16* routed_h = nullptr;        // [max_rows, I]
-  __nv_bfloat16* routed_y = nullptr;        // [max_rows, H]
+  // The ring of the megakernel: plan.ring_rows routed rows of x, h and y, and its counters.
+  __nv_bfloat16* ring_x = nullptr;
+  __nv_bfloat16* ring_h = nullptr;
+  __nv_bfloat16* ring_y = nullptr;
+  uint32_t* ring_counters = nullptr;
+  size_t ring_counter_bytes = 0;
+
+  // The unfused chain's buffers, [max_rows, H | I | H], allocated on request only.
+  bool unfused = false;
+  void* unfused_buffers = nullptr;
+  __nv_bfloat16* routed_x = nullptr;
+  __nv_bfloat16* routed_h = nullptr;
+  __nv_bfloat16* routed_y = nullptr;
 
   uint64_t generation = 0;
   MemoryReport memory;
 
   ~Impl() {
     if (local) cudaFree(local);
+    if (unfused_buffers) cudaFree(unfused_buffers);
     window.destroy();
   }
 
   Status allocate();
+  Status enable_unfused();
+  Status run_megakernel(const ForwardArgs& args, cudaStream_t stream);
+  Status run_unfused(const ForwardArgs& args, cudaStream_t stream, const StageEvents* events);
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
                  const StageEvents* events);
 };
@@ -126,9 +144,14 @@ Status Layer::Impl::allocate() {
   const size_t schedule_bytes = aligned(kernels::routing_schedule_workspace_bytes(schedule));
   const size_t small_bytes = aligned(sizeof(void*) * c.ep_size) +
                              aligned(sizeof(int64_t) * c.ep_size) + aligned(sizeof(uint64_t));
-  const size_t x_bytes = aligned(sizeof(__nv_bfloat16) * max_rows * c.hidden);
-  const size_t h_bytes = aligned(sizeof(__nv_bfloat16) * max_rows * c.intermediate);
-  EPFLOW_CUDA_RETURN(cudaMalloc(&local, schedule_bytes + small_bytes + 2 * x_bytes + h_bytes));
+  const int64_t ring_rows = plan.ring_rows;
+  const size_t x_bytes = aligned(sizeof(__nv_bfloat16) * ring_rows * c.hidden);
+  const size_t h_bytes = aligned(sizeof(__nv_bfloat16) * ring_rows * c.intermediate);
+  ring_counter_bytes = kernels::forward_megakernel_counter_bytes(
+      static_cast<int32_t>(ring_rows / kernels::kExpertFfnTileM));
+  const size_t counter_bytes = aligned(ring_counter_bytes);
+  EPFLOW_CUDA_RETURN(cudaMalloc(
+      &local, schedule_bytes + small_bytes + counter_bytes + 2 * x_bytes + h_bytes));
   char* p = static_cast<char*>(local);
   schedule_buffers = kernels::carve_schedule_buffers(schedule, p);
   p += schedule_bytes;
@@ -138,11 +161,13 @@ Status Layer::Impl::allocate() {
   p += aligned(sizeof(int64_t) * c.ep_size);
   epoch = reinterpret_cast<uint64_t*>(p);
   p += aligned(sizeof(uint64_t));
-  routed_x = reinterpret_cast<__nv_bfloat16*>(p);
+  ring_counters = reinterpret_cast<uint32_t*>(p);
+  p += counter_bytes;
+  ring_x = reinterpret_cast<__nv_bfloat16*>(p);
   p += x_bytes;
-  routed_h = reinterpret_cast<__nv_bfloat16*>(p);
+  ring_h = reinterpret_cast<__nv_bfloat16*>(p);
   p += h_bytes;
-  routed_y = reinterpret_cast<__nv_bfloat16*>(p);
+  ring_y = reinterpret_cast<__nv_bfloat16*>(p);
 
   std::vector<const int32_t*> idx(c.ep_size);
   for (int32_t r = 0; r < c.ep_size; ++r)
@@ -162,44 +187,64 @@ Status Layer::Impl::allocate() {
   EPFLOW_CUDA_RETURN(cudaDeviceSynchronize());
 
   memory.symmetric_bytes = static_cast<int64_t>(window.bytes());
-  memory.schedule_bytes = static_cast<int64_t>(schedule_bytes + small_bytes);
+  memory.schedule_bytes = static_cast<int64_t>(schedule_bytes + small_bytes + counter_bytes);
   memory.ring_bytes = static_cast<int64_t>(2 * x_bytes + h_bytes);
   return Status::ok_status();
 }
 
-Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedContext* saved,
-                            const StageEvents* events) {
+Status Layer::Impl::enable_unfused() {
+  if (unfused_buffers) {
+    unfused = true;
+    return Status::ok_status();
+  }
+  const LayerConfig& c = config;
+  const size_t x_bytes = sizeof(__nv_bfloat16) * max_rows * c.hidden;
+  const size_t h_bytes = sizeof(__nv_bfloat16) * max_rows * c.intermediate;
+  EPFLOW_CUDA_RETURN(cudaMalloc(&unfused_buffers, 2 * x_bytes + h_bytes));
+  routed_x = static_cast<__nv_bfloat16*>(unfused_buffers);
+  routed_h = routed_x + max_rows * c.hidden;
+  routed_y = routed_h + max_rows * c.intermediate;
+  memory.ring_bytes += static_cast<int64_t>(2 * x_bytes + h_bytes);
+  unfused = true;
+  return Status::ok_status();
+}
+
+Status Layer::Impl::run_megakernel(const ForwardArgs& a, cudaStream_t stream) {
+  const LayerConfig& c = config;
+  EPFLOW_CUDA_RETURN(cudaMemsetAsync(ring_counters, 0, ring_counter_bytes, stream));
+  kernels::ForwardMegakernelArgs m;
+  m.peers = peers;
+  m.x_offset = layout.x;
+  m.combine_offset = layout.combine;
+  m.table = schedule_buffers.table;
+  m.seg_offset = schedule_buffers.seg_offset;
+  m.expert_rows = schedule_buffers.expert_rows;
+  m.experts = c.experts_per_rank();
+  m.hidden = static_cast<int32_t>(c.hidden);
+  m.intermediate = static_cast<int32_t>(c.intermediate);
+  m.top_k = c.top_k;
+  m.ring_tiles = static_cast<int32_t>(plan.ring_rows / kernels::kExpertFfnTileM);
+  m.minibatch_tiles = static_cast<int32_t>(plan.minibatch_rows / kernels::kExpertFfnTileM);
+  m.ring_x = ring_x;
+  m.ring_h = ring_h;
+  m.ring_y = ring_y;
+  m.counters = ring_counters;
+  m.w_gate = a.weights.gate;
+  m.w_up = a.weights.up;
+  m.w_down = a.weights.down;
+  m.comm_ctas = plan.comm_sms;
+  m.rank = c.ep_rank;
+  m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
+  EPFLOW_CUDA_RETURN(kernels::launch_forward_megakernel(m, sm_count, stream));
+  return Status::ok_status();
+}
+
+Status Layer::Impl::run_unfused(const ForwardArgs& a, cudaStream_t stream,
+                                const StageEvents* events) {
   auto mark = [&](cudaEvent_t StageEvents::*which) {
     return events ? cudaEventRecord(events->*which, stream) : cudaSuccess;
   };
   const LayerConfig& c = config;
-  const int64_t T = a.num_tokens;
-  char* mine = static_cast<char*>(window.local());
-  EPFLOW_CUDA_RETURN(mark(&StageEvents::start));
-  if (T > 0) {
-    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.x, a.x, sizeof(__nv_bfloat16) * T * c.hidden,
-                                       cudaMemcpyDeviceToDevice, stream));
-    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.topk_idx, a.topk_idx,
-                                       sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
-                                       stream));
-  }
-  kernels::BarrierArgs barrier;
-  barrier.peers = peers;
-  barrier.layout = layout;
-  barrier.rank = c.ep_rank;
-  barrier.world = c.ep_size;
-  barrier.epoch = epoch;
-  barrier.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
-  barrier.phase = kernels::BarrierPhase::kDispatch;
-  barrier.my_tokens = T;
-  barrier.tokens_out = tokens;
-  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
-
-  EPFLOW_CUDA_RETURN(cudaMemsetAsync(schedule_buffers.invalid_slots, 0, sizeof(int32_t), stream));
-  EPFLOW_CUDA_RETURN(
-      kernels::launch_routing_schedule(schedule, peer_topk_idx, tokens, schedule_buffers, stream));
-  EPFLOW_CUDA_RETURN(mark(&StageEvents::schedule_done));
-
   const int32_t copy_blocks = 4 * sm_count;
   kernels::DispatchArgs d;
   d.peers = peers;
@@ -238,6 +283,51 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
   cb.hidden = c.hidden;
   cb.routed_y = routed_y;
   EPFLOW_CUDA_RETURN(kernels::launch_push_combine(cb, copy_blocks, stream));
+  return Status::ok_status();
+}
+
+Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedContext* saved,
+                            const StageEvents* events) {
+  auto mark = [&](cudaEvent_t StageEvents::*which) {
+    return events ? cudaEventRecord(events->*which, stream) : cudaSuccess;
+  };
+  const LayerConfig& c = config;
+  const int64_t T = a.num_tokens;
+  char* mine = static_cast<char*>(window.local());
+  EPFLOW_CUDA_RETURN(mark(&StageEvents::start));
+  if (T > 0) {
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.x, a.x, sizeof(__nv_bfloat16) * T * c.hidden,
+                                       cudaMemcpyDeviceToDevice, stream));
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.topk_idx, a.topk_idx,
+                                       sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                       stream));
+  }
+  kernels::BarrierArgs barrier;
+  barrier.peers = peers;
+  barrier.layout = layout;
+  barrier.rank = c.ep_rank;
+  barrier.world = c.ep_size;
+  barrier.epoch = epoch;
+  barrier.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
+  barrier.phase = kernels::BarrierPhase::kDispatch;
+  barrier.my_tokens = T;
+  barrier.tokens_out = tokens;
+  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
+
+  EPFLOW_CUDA_RETURN(cudaMemsetAsync(schedule_buffers.invalid_slots, 0, sizeof(int32_t), stream));
+  EPFLOW_CUDA_RETURN(
+      kernels::launch_routing_schedule(schedule, peer_topk_idx, tokens, schedule_buffers, stream));
+  EPFLOW_CUDA_RETURN(mark(&StageEvents::schedule_done));
+
+  if (unfused) {
+    EPFLOW_RETURN_IF_ERROR(run_unfused(a, stream, events));
+  } else {
+    // The megakernel has no stage boundaries inside: dispatch_done marks its start and
+    // ffn_done its end, so the benchmark reports it as one stage.
+    EPFLOW_CUDA_RETURN(mark(&StageEvents::dispatch_done));
+    EPFLOW_RETURN_IF_ERROR(run_megakernel(a, stream));
+    EPFLOW_CUDA_RETURN(mark(&StageEvents::ffn_done));
+  }
 
   barrier.phase = kernels::BarrierPhase::kCombine;
   barrier.tokens_out = nullptr;
@@ -308,6 +398,16 @@ Status Layer::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, args));
   return impl_->forward(args, stream, saved, nullptr);
 }
+
+Status LayerInternals::use_unfused_forward(Layer& layer, bool unfused) {
+  if (!unfused) {
+    layer.impl_->unfused = false;
+    return Status::ok_status();
+  }
+  return layer.impl_->enable_unfused();
+}
+
+runtime::LayerPlan LayerInternals::plan(const Layer& layer) { return layer.impl_->plan; }
 
 Status LayerInternals::forward_with_stage_events(Layer& layer, const ForwardArgs& args,
                                                  cudaStream_t stream, const StageEvents& events) {

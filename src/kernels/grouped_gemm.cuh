@@ -56,14 +56,18 @@ struct GemmParams {
 template <Epilogue kEpi>
 inline constexpr int kStagingBytes = 64 * kOutCols<kEpi> * 2;
 
-template <Epilogue kEpi, int kStages>
-struct alignas(1024) SharedStorage {
+// Shared memory of one GEMM CTA: kStages A/B stages and one output staging buffer per consumer
+// warpgroup. A megakernel that runs both epilogues sizes the staging for the larger (kStore).
+template <int kStages, int kStaging>
+struct alignas(1024) GemmSmem {
   uint8_t a[kStages][kBlockM * kBlockK * 2];
   uint8_t b[kStages][kBlockNMma * kBlockK * 2];
-  uint8_t out[2][kStagingBytes<kEpi>];
+  uint8_t out[2][kStaging];
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
+template <Epilogue kEpi, int kStages>
+using SharedStorage = GemmSmem<kStages, kStagingBytes<kEpi>>;
 
 // Position in the ring of stages, with the phase parity of its barriers.
 template <int kStages>
@@ -80,7 +84,8 @@ struct PipelineState {
 
 struct TileCoord {
   int32_t m_tile, n_tile, expert;
-  int32_t rows;  // rows of the tile that hold routed data (kBlockM when not known)
+  int32_t rows;   // rows of the tile that hold routed data (kBlockM when not known)
+  int32_t a_row;  // first row of the tile in the row operand and output tensors
 };
 
 inline constexpr int kRowBoxM = 16;  // granularity of partial row loads (decode-size tiles)
@@ -99,6 +104,7 @@ __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int3
   c.n_tile = in_band / band_m;
   c.expert = sched::expert_of_row(seg_offset, experts, int64_t{c.m_tile} * kBlockM);
   c.rows = kBlockM;
+  c.a_row = c.m_tile * kBlockM;
   if (expert_rows) {
     const int64_t left =
         seg_offset[c.expert] + expert_rows[c.expert] - int64_t{c.m_tile} * kBlockM;
@@ -107,8 +113,8 @@ __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int3
   return c;
 }
 
-template <Epilogue kEpi, int kStages>
-__device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s,
+template <Epilogue kEpi, int kStages, int kStaging>
+__device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, const CUtensorMap* map_a,
                                              const CUtensorMap* map_a_rows,
@@ -125,11 +131,11 @@ __device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s,
     uint64_t* full = &s.full[ps.stage];
     ptx::mbarrier_arrive_expect_tx(full, bytes);
     if (full_rows) {
-      ptx::tma_load_2d(s.a[ps.stage], map_a, kb * kBlockK, c.m_tile * kBlockM, full);
+      ptx::tma_load_2d(s.a[ps.stage], map_a, kb * kBlockK, c.a_row, full);
     } else {
       for (int32_t box = 0; box < row_boxes; ++box)
         ptx::tma_load_2d(s.a[ps.stage] + box * kRowBoxM * kBlockK * 2, map_a_rows, kb * kBlockK,
-                         c.m_tile * kBlockM + box * kRowBoxM, full);
+                         c.a_row + box * kRowBoxM, full);
     }
     if constexpr (kEpi == Epilogue::kSwiGLU) {
       constexpr int kHalf = kBlockNMma / 2;
@@ -142,12 +148,37 @@ __device__ __forceinline__ void produce_tile(SharedStorage<kEpi, kStages>& s,
   }
 }
 
+// TMA stores of one consumer warpgroup's staged output rows (64 rows x kOutCols columns).
+template <Epilogue kEpi>
+__device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const uint8_t* staging,
+                                              const TileCoord& c, int wg) {
+#pragma unroll
+  for (int box = 0; box < kOutCols<kEpi> / 64; ++box)
+    ptx::tma_store_2d(map_out, staging + box * 64 * 128, c.n_tile * kOutCols<kEpi> + box * 64,
+                      c.a_row + wg * 64);
+  ptx::tma_store_commit();
+}
+
+// Where a consumer warpgroup's epilogue output goes: the standalone GEMM stores it itself.
+// acquire(): every thread of the warpgroup, before it writes the staging buffer; publish(): every
+// thread, once the staging is written and fenced for the async proxy.
+template <Epilogue kEpi>
+struct DirectStoreSink {
+  const CUtensorMap* map_out;
+  __device__ void acquire(int wg, int tid) {
+    if (tid == 0) ptx::tma_store_wait_read();  // the previous tile's stores are done reading
+    ptx::named_barrier_sync(1 + wg, 128);
+  }
+  __device__ void publish(int wg, int tid, const uint8_t* staging, const TileCoord& c) {
+    if (tid == 0) store_staging<kEpi>(map_out, staging, c, wg);
+  }
+};
+
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
-template <Epilogue kEpi, int kStages>
-__device__ __forceinline__ void consume_tile(SharedStorage<kEpi, kStages>& s,
+template <Epilogue kEpi, int kStages, int kStaging, class Sink>
+__device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
-                                             int32_t k_blocks, int wg,
-                                             const CUtensorMap* map_out) {
+                                             int32_t k_blocks, int wg, Sink& sink) {
   const int tid = threadIdx.x % 128;
   if (c.rows <= wg * 64) {
     // NOTES: all 64 rows are segment padding (decode-size batches): keep the pipeline's
@@ -188,8 +219,7 @@ __device__ __forceinline__ void consume_tile(SharedStorage<kEpi, kStages>& s,
   // columns 8j+2q+{0,1}: as bf16x2 they go to 16-byte chunk j%8 of a 128-byte staging row,
   // swizzled by the row (chunk ^ row%8), so a warp's 32 stores hit 32 different banks.
   uint8_t* staging = s.out[wg];
-  if (tid == 0) ptx::tma_store_wait_read();  // the previous tile's stores are done reading
-  ptx::named_barrier_sync(1 + wg, 128);
+  sink.acquire(wg, tid);
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
   auto put = [&](int j, int half, float v0, float v1) {
     const int row = warp * 16 + g + 8 * half;
@@ -216,13 +246,7 @@ __device__ __forceinline__ void consume_tile(SharedStorage<kEpi, kStages>& s,
   }
   ptx::fence_shared_to_async_proxy();
   ptx::named_barrier_sync(1 + wg, 128);
-  if (tid == 0) {
-#pragma unroll
-    for (int box = 0; box < kOutCols<kEpi> / 64; ++box)
-      ptx::tma_store_2d(map_out, staging + box * 64 * 128, c.n_tile * kOutCols<kEpi> + box * 64,
-                        c.m_tile * kBlockM + wg * 64);
-    ptx::tma_store_commit();
-  }
+  sink.publish(wg, tid, staging, c);
 }
 
 // Standalone persistent driver: every CTA walks tiles blockIdx.x, + gridDim.x, ...
@@ -268,9 +292,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
+    DirectStoreSink<kEpi> sink{&map_out};
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts);
-      consume_tile<kEpi>(s, ps, c, k_blocks, wg - 1, &map_out);
+      consume_tile<kEpi>(s, ps, c, k_blocks, wg - 1, sink);
     }
     if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }

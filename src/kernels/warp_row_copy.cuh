@@ -29,18 +29,23 @@ __device__ __forceinline__ void for_each_routed_row(const sched::PullRow* table,
   }
 }
 
-template <int kUnroll = 4>
+// kBypassL1: load with ld.global.cg (through L2 only), for rows other SMs wrote during this kernel.
+template <int kUnroll = 4, bool kBypassL1 = false>
 __device__ __forceinline__ void warp_copy_row(const int4* __restrict__ src, int4* __restrict__ dst,
                                               int64_t vecs, int lane) {
+  auto load = [](const int4* p) {
+    if constexpr (kBypassL1) return __ldcg(p);
+    else return *p;
+  };
   int64_t i = lane;
   for (; i + 32 * (kUnroll - 1) < vecs; i += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = src[i + 32 * u];
+    for (int u = 0; u < kUnroll; ++u) v[u] = load(src + i + 32 * u);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
   }
-  for (; i < vecs; i += 32) dst[i] = src[i];
+  for (; i < vecs; i += 32) dst[i] = load(src + i);
 }
 
 }  // namespace epflow::kernels

@@ -1,7 +1,9 @@
 // The GPU forward of the whole layer against the CPU reference, at EP=1 and EP=2 (a thread per
 // GPU), with imbalanced routing, empty experts, empty slots, T not a tile multiple, T different
 // on each rank, T = 0 on one rank, repeated calls on one workspace, and the DeepSeek-V3 per-rank
-// shape at T = 1, 100 and 4096.
+// shape at T = 1, 100 and 4096 (whose routed rows wrap the default ring several times). The
+// megakernel also with rings smaller than the routed rows, several SM splits and minibatch
+// sizes, and captured in a CUDA graph; the unfused chain of issue [B] on the same cases.
 #include <gtest/gtest.h>
 
 #include "gpu_test_util.h"
@@ -34,10 +36,11 @@ LayerConfig small_config(int world, int64_t max_tokens) {
 
 // Runs the calls and checks each against the reference (all tokens for small shapes).
 void run_and_check(const LayerConfig& c, const std::vector<CallInputs>& calls,
-                   int64_t max_checked_tokens = 1 << 30, uint64_t expert_seed = 5) {
+                   int64_t max_checked_tokens = 1 << 30, uint64_t expert_seed = 5,
+                   const testing::RunOptions& options = {}) {
   const auto experts = testing::make_bf16_experts(c, expert_seed);
   testing::LayerRunResult result;
-  const Status s = testing::run_layer(c, experts, calls, &result);
+  const Status s = testing::run_layer(c, experts, calls, &result, options);
   ASSERT_TRUE(s.ok()) << s.to_string();
   for (size_t call = 0; call < calls.size(); ++call) {
     SCOPED_TRACE(::testing::Message() << "call " << call);
@@ -72,6 +75,67 @@ TEST(LayerGpu, Ep2DifferentTokenCountsPerRank) {
                     testing::make_call(c, {600, 600}, Routing::kSingleExpert, 10),
                     testing::make_call(c, {513, 1}, Routing::kWithEmptySlots, 11),
                     testing::make_call(c, {0, 0}, Routing::kUniform, 12)});
+}
+
+// Calls with imbalanced routing, a hot expert, empty slots and uneven T on `world` ranks.
+std::vector<CallInputs> mixed_calls(const LayerConfig& c, int world, uint64_t seed) {
+  auto tokens = [&](int64_t a, int64_t b) {
+    return world == 1 ? std::vector<int64_t>{a} : std::vector<int64_t>{a, b};
+  };
+  return {testing::make_call(c, tokens(300, 45), Routing::kUniform, seed),
+          testing::make_call(c, tokens(0, 129), Routing::kImbalanced, seed + 1),
+          testing::make_call(c, tokens(600, 600), Routing::kSingleExpert, seed + 2),
+          testing::make_call(c, tokens(513, 1), Routing::kWithEmptySlots, seed + 3)};
+}
+
+// Rings of 1, 2 and 3 tiles against up to 19 tiles of routed rows per call: every call cycles
+// macrobatches, combine of one overlapping dispatch of the next.
+TEST(LayerGpu, RingSmallerThanRoutedRows) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  for (int world : {1, 2}) {
+    if (testing::device_count() < world) continue;
+    for (auto [ring, minibatch] : {std::pair{128, 128}, {256, 128}, {384, 128}}) {
+      SCOPED_TRACE(::testing::Message() << "EP " << world << " ring " << ring << " minibatch "
+                                        << minibatch);
+      LayerConfig c = small_config(world, 600);
+      c.ring_rows = ring;
+      c.minibatch_rows = minibatch;
+      run_and_check(c, mixed_calls(c, world, 20));
+    }
+  }
+}
+
+TEST(LayerGpu, SmSplitsAndMinibatchSizes) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const int world = testing::device_count() >= 2 ? 2 : 1;
+  for (auto [comm_sms, minibatch] : {std::pair{1, 128}, {8, 256}, {40, 512}, {100, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "EP " << world << " comm SMs " << comm_sms
+                                      << " minibatch " << minibatch);
+    LayerConfig c = small_config(world, 600);
+    c.comm_sms = comm_sms;
+    c.minibatch_rows = minibatch;
+    run_and_check(c, mixed_calls(c, world, 30));
+  }
+}
+
+TEST(LayerGpu, CapturedInCudaGraph) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const int world = testing::device_count() >= 2 ? 2 : 1;
+  LayerConfig c = small_config(world, 600);
+  c.ring_rows = 256;  // wraps too
+  c.minibatch_rows = 128;
+  testing::RunOptions graph;
+  graph.cuda_graph = true;
+  run_and_check(c, mixed_calls(c, world, 40), 1 << 30, 5, graph);
+}
+
+TEST(LayerGpu, UnfusedChainMatchesReference) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const int world = testing::device_count() >= 2 ? 2 : 1;
+  const LayerConfig c = small_config(world, 600);
+  testing::RunOptions unfused;
+  unfused.unfused = true;
+  run_and_check(c, mixed_calls(c, world, 50), 1 << 30, 5, unfused);
 }
 
 // DeepSeek-V3 per-rank shape: H 7168, I 2048, 32 experts per rank, top-8; T = 1, 100, 4096 on

@@ -1,0 +1,156 @@
+// Task lists of the forward megakernel and the counter protocol between its two SM partitions.
+//
+// Portable (EPFLOW_HD): the kernel (src/kernels/moe_forward_megakernel.cu) and the CPU protocol
+// simulation (tests/common/test_megakernel_tasks.cpp) run these same functions.
+//
+// The pull table's row tiles m = 0 .. m_tiles-1 (kBlockM rows each, all inside one expert) live in
+// a ring of ring_tiles tile slots: tile m uses slot m % ring_tiles during macrobatch
+// m / ring_tiles ("round"). Four task kinds per tile:
+//   D(m)    dispatch (comm SMs): pull the tile's x rows from their source ranks into the slot;
+//   GU(m,n) gate/up GEMM + SwiGLU (compute SMs): h slot = swiglu(x slot, expert weights), n tile;
+//   DN(m,n) down GEMM (compute SMs): y slot = h slot * W_down^T, n tile;
+//   C(m)    combine (comm SMs): push the slot's y rows into their owners' (token, k) slots.
+// Hand-over happens through four monotonically growing counters per slot, in local memory:
+//   x_ready  += 1 per D,   h_done += 1 per GU warpgroup half (2 per tile),
+//   y_done   += 2 per DN,  combined += 1 per C.
+// Each task waits for the counters below (wait_targets) before touching the slot:
+//   D(m):  h_done   >= round * 2 * n_gate_up    (the previous round's GU finished reading x)
+//   GU(m): x_ready  >= round + 1                (this round's x has arrived)
+//          y_done   >= round * 2 * n_down       (the previous round's DN finished reading h)
+//   DN(m): h_done   >= (round + 1) * 2 * n_gate_up
+//          combined >= round                    (the previous round's C finished reading y)
+//   C(m):  y_done   >= (round + 1) * 2 * n_down
+//
+// Order. Each partition's CTAs take their tasks round-robin from one list, each CTA in list
+// order. Compute list: per minibatch (minibatch_tiles row tiles), all its GU tiles (row tile
+// fastest, so concurrent CTAs share weight tiles through L2), then all its DN tiles. Comm list:
+// D of the first round's tiles, then for each tile m: C(m), then D(m + ring_tiles) if it exists.
+// Both lists are consistent with one global order in which every task comes after all tasks it
+// waits for (docs/ARCHITECTURE.md), so the earliest unfinished task can always run: no deadlock.
+#pragma once
+
+#include <cstdint>
+
+#include "common/hd.h"
+
+namespace epflow::mega {
+
+struct TaskShape {
+  int32_t m_tiles = 0;          // row tiles of this call's pull table (device: seg_offset[E] / M)
+  int32_t ring_tiles = 1;       // tile slots of the ring (rows per macrobatch / kBlockM)
+  int32_t minibatch_tiles = 1;  // row tiles per minibatch; divides ring_tiles
+  int32_t n_gate_up = 1;        // N tiles of the gate/up GEMM
+  int32_t n_down = 1;           // N tiles of the down GEMM
+};
+
+enum class TaskKind : int32_t { kDispatch, kGateUp, kDown, kCombine };
+
+struct Task {
+  TaskKind kind;
+  int32_t m_tile;
+  int32_t n_tile;  // 0 for dispatch and combine
+};
+
+// Signals per GEMM tile: one per consumer warpgroup (each owns 64 of the 128 rows).
+inline constexpr uint32_t kSignalsPerGemmTile = 2;
+
+EPFLOW_HD int64_t num_compute_tasks(const TaskShape& s) {
+  return int64_t{s.m_tiles} * (s.n_gate_up + s.n_down);
+}
+
+EPFLOW_HD Task compute_task(const TaskShape& s, int64_t t) {
+  const int64_t per_minibatch = int64_t{s.minibatch_tiles} * (s.n_gate_up + s.n_down);
+  const int32_t first = static_cast<int32_t>(t / per_minibatch) * s.minibatch_tiles;
+  int64_t off = t % per_minibatch;
+  const int32_t left = s.m_tiles - first;
+  const int32_t mt = left < s.minibatch_tiles ? left : s.minibatch_tiles;
+  if (off < int64_t{mt} * s.n_gate_up)
+    return Task{TaskKind::kGateUp, first + static_cast<int32_t>(off % mt),
+                static_cast<int32_t>(off / mt)};
+  off -= int64_t{mt} * s.n_gate_up;
+  return Task{TaskKind::kDown, first + static_cast<int32_t>(off % mt),
+              static_cast<int32_t>(off / mt)};
+}
+
+EPFLOW_HD int64_t num_comm_tasks(const TaskShape& s) { return int64_t{2} * s.m_tiles; }
+
+EPFLOW_HD Task comm_task(const TaskShape& s, int64_t t) {
+  const int32_t first_round = s.m_tiles < s.ring_tiles ? s.m_tiles : s.ring_tiles;
+  if (t < first_round) return Task{TaskKind::kDispatch, static_cast<int32_t>(t), 0};
+  const int64_t u = t - first_round;
+  const int64_t pairs = s.m_tiles - first_round;  // tiles m whose C(m) is followed by D(m + ring)
+  if (u < 2 * pairs) {
+    const int32_t m = static_cast<int32_t>(u / 2);
+    return u % 2 == 0 ? Task{TaskKind::kCombine, m, 0}
+                      : Task{TaskKind::kDispatch, m + s.ring_tiles, 0};
+  }
+  return Task{TaskKind::kCombine, static_cast<int32_t>(pairs + (u - 2 * pairs)), 0};
+}
+
+// The counters of one ring slot.
+enum class Counter : int32_t { kXReady = 0, kHDone = 1, kYDone = 2, kCombined = 3 };
+inline constexpr int kCounters = 4;
+
+EPFLOW_HD const char* counter_name(Counter c) {
+  switch (c) {
+    case Counter::kXReady: return "x_ready (dispatched x rows)";
+    case Counter::kHDone: return "h_done (gate/up warpgroups finished)";
+    case Counter::kYDone: return "y_done (down warpgroups finished)";
+    default: return "combined (pushed y rows)";
+  }
+}
+
+EPFLOW_HD const char* task_name(TaskKind k) {
+  switch (k) {
+    case TaskKind::kDispatch: return "dispatch";
+    case TaskKind::kGateUp: return "gate/up GEMM";
+    case TaskKind::kDown: return "down GEMM";
+    default: return "combine";
+  }
+}
+
+struct WaitTarget {
+  Counter counter;
+  uint32_t at_least;
+};
+
+// What task `task` waits for before it touches its slot; returns how many targets (0..2).
+EPFLOW_HD int wait_targets(const TaskShape& s, const Task& task, WaitTarget out[2]) {
+  const uint32_t round = static_cast<uint32_t>(task.m_tile / s.ring_tiles);
+  const uint32_t gu = kSignalsPerGemmTile * static_cast<uint32_t>(s.n_gate_up);
+  const uint32_t dn = kSignalsPerGemmTile * static_cast<uint32_t>(s.n_down);
+  int n = 0;
+  switch (task.kind) {
+    case TaskKind::kDispatch:
+      if (round > 0) out[n++] = WaitTarget{Counter::kHDone, round * gu};
+      break;
+    case TaskKind::kGateUp:
+      out[n++] = WaitTarget{Counter::kXReady, round + 1};
+      if (round > 0) out[n++] = WaitTarget{Counter::kYDone, round * dn};
+      break;
+    case TaskKind::kDown:
+      out[n++] = WaitTarget{Counter::kHDone, (round + 1) * gu};
+      if (round > 0) out[n++] = WaitTarget{Counter::kCombined, round};
+      break;
+    case TaskKind::kCombine:
+      out[n++] = WaitTarget{Counter::kYDone, (round + 1) * dn};
+      break;
+  }
+  return n;
+}
+
+// The counter a finished task (or, for GEMM tiles, each of its warpgroups) adds one to.
+EPFLOW_HD Counter signalled_counter(TaskKind k) {
+  switch (k) {
+    case TaskKind::kDispatch: return Counter::kXReady;
+    case TaskKind::kGateUp: return Counter::kHDone;
+    case TaskKind::kDown: return Counter::kYDone;
+    default: return Counter::kCombined;
+  }
+}
+
+EPFLOW_HD int32_t ring_slot_of_tile(const TaskShape& s, int32_t m_tile) {
+  return m_tile % s.ring_tiles;
+}
+
+}  // namespace epflow::mega

@@ -1,0 +1,292 @@
+// The fused forward megakernel (moe_forward_megakernel.cuh). Task lists, counters and the
+// argument that no wait can deadlock: src/common/megakernel_tasks.h and docs/ARCHITECTURE.md.
+#include <cuda.h>
+
+#include <cstdio>
+
+#include "common/megakernel_tasks.h"
+#include "kernels/grouped_gemm.cuh"
+#include "kernels/moe_forward_megakernel.cuh"
+#include "kernels/ptx/timed_wait.cuh"
+#include "kernels/warp_row_copy.cuh"
+
+namespace epflow::kernels {
+
+namespace {
+
+using gemm::Epilogue;
+using gemm::kBlockM;
+using mega::Task;
+using mega::TaskKind;
+using mega::TaskShape;
+
+// NOTES: 3 stages so one shared layout serves both GEMMs: 3 x 48 KB of A/B tiles plus the down
+// GEMM's 2 x 32 KB output staging = 208 KB (the gate/up GEMM uses half of each staging buffer).
+constexpr int kStages = 3;
+
+struct alignas(1024) MegaSmem {
+  gemm::GemmSmem<kStages, gemm::kStagingBytes<Epilogue::kStore>> gemm;
+  // Consumer warpgroup w -> its store thread: "staging w holds a tile" / "staging w is free".
+  uint64_t staging_full[2];
+  uint64_t staging_empty[2];
+};
+
+// The consumers' epilogue output goes to a store thread of the producer warpgroup, which issues
+// the TMA stores, waits for them to land and signals the tile's counter: the consumer
+// warpgroups go straight on to their next tile's MMAs.
+struct RingSink {
+  MegaSmem* s;
+  uint32_t uses = 0;
+  __device__ void acquire(int wg, int) {
+    ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
+    ++uses;
+  }
+  __device__ void publish(int wg, int tid, const uint8_t*, const gemm::TileCoord&) {
+    if (tid == 0) ptx::mbarrier_arrive(&s->staging_full[wg]);
+  }
+};
+
+struct Maps {
+  CUtensorMap x, x_rows;   // ring x as the gate/up GEMM's rows (128-row and 16-row boxes)
+  CUtensorMap gate, up;    // [E, I, H], 128-row boxes
+  CUtensorMap h_out;       // ring h as the gate/up output (64 x 64 boxes)
+  CUtensorMap h, h_rows;   // ring h as the down GEMM's rows
+  CUtensorMap down;        // [E, H, I], 256-row boxes
+  CUtensorMap y_out;       // ring y as the down output
+};
+
+__device__ TaskShape task_shape(const ForwardMegakernelArgs& a) {
+  TaskShape s;
+  s.m_tiles = static_cast<int32_t>(a.seg_offset[a.experts] / kBlockM);
+  s.ring_tiles = a.ring_tiles;
+  s.minibatch_tiles = a.minibatch_tiles;
+  s.n_gate_up = (a.intermediate + gemm::kOutCols<Epilogue::kSwiGLU> - 1) /
+                gemm::kOutCols<Epilogue::kSwiGLU>;
+  s.n_down = (a.hidden + gemm::kOutCols<Epilogue::kStore> - 1) / gemm::kOutCols<Epilogue::kStore>;
+  return s;
+}
+
+// The GEMM tile of a compute task: its expert, its routed rows (a prefix of the tile: segments
+// are padded at their end) and its rows in the ring.
+__device__ gemm::TileCoord tile_of(const ForwardMegakernelArgs& a, const TaskShape& s,
+                                   const Task& t) {
+  gemm::TileCoord c;
+  c.m_tile = t.m_tile;
+  c.n_tile = t.n_tile;
+  const int64_t first_row = int64_t{t.m_tile} * kBlockM;
+  c.expert = sched::expert_of_row(a.seg_offset, a.experts, first_row);
+  const int64_t left = a.seg_offset[c.expert] + a.expert_rows[c.expert] - first_row;
+  c.rows = static_cast<int32_t>(left < kBlockM ? left : kBlockM);
+  c.a_row = mega::ring_slot_of_tile(s, t.m_tile) * kBlockM;
+  return c;
+}
+
+__device__ uint32_t* counter_of(const ForwardMegakernelArgs& a, int32_t slot, mega::Counter c) {
+  return a.counters + slot * mega::kCounters + static_cast<int>(c);
+}
+
+// Blocks (one thread) until the task's slot is ready; on timeout says who waited for what.
+__device__ void wait_for_task(const ForwardMegakernelArgs& a, const TaskShape& s, const Task& t,
+                              const char* role) {
+  mega::WaitTarget w[2];
+  const int n = mega::wait_targets(s, t, w);
+  const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
+  for (int i = 0; i < n; ++i) {
+    uint32_t seen = 0;
+    if (!ptx::wait_counter_at_least(counter_of(a, slot, w[i].counter), w[i].at_least,
+                                    a.timeout_ns, &seen)) {
+      printf("EPFlow: rank %d forward megakernel, CTA %d (%s) timed out after %.3f s: %s of row "
+             "tile %d (n tile %d) waits for %s of ring slot %d to reach %u, it is %u "
+             "(%d row tiles, ring of %d)\n",
+             a.rank, blockIdx.x, role, a.timeout_ns * 1e-9, mega::task_name(t.kind), t.m_tile,
+             t.n_tile, mega::counter_name(w[i].counter), slot, w[i].at_least, seen, s.m_tiles,
+             s.ring_tiles);
+      __trap();
+    }
+  }
+}
+
+// Communication partition: every thread of the CTA copies rows, a warp per row.
+__device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
+  constexpr int kWarps = gemm::kThreads / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t vecs = int64_t{a.hidden} * 2 / 16;
+  const int64_t tasks = mega::num_comm_tasks(s);
+  for (int64_t i = blockIdx.x; i < tasks; i += a.comm_ctas) {
+    const Task t = mega::comm_task(s, i);
+    const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
+    if (threadIdx.x == 0) wait_for_task(a, s, t, "communication");
+    __syncthreads();
+    const int32_t rows = tile_of(a, s, t).rows;
+    const bool dispatch = t.kind == TaskKind::kDispatch;
+    for (int32_t r = warp; r < rows; r += kWarps) {
+      const sched::PullRow src = a.table[int64_t{t.m_tile} * kBlockM + r];
+      const int64_t ring_row = int64_t{slot} * kBlockM + r;
+      if (dispatch) {
+        const int64_t token = src.src_slot / a.top_k;
+        warp_copy_row(reinterpret_cast<const int4*>(a.peers.base[src.src_rank] + a.x_offset +
+                                                    token * a.hidden * 2),
+                      reinterpret_cast<int4*>(a.ring_x + ring_row * a.hidden), vecs, lane);
+      } else {
+        // NOTES: y was written by TMA stores of other SMs; load through L2 (ld.cg) so an L1
+        // line of this slot's previous round can never be read.
+        warp_copy_row<4, true>(
+            reinterpret_cast<const int4*>(a.ring_y + ring_row * a.hidden),
+            reinterpret_cast<int4*>(a.peers.base[src.src_rank] + a.combine_offset +
+                                    int64_t{src.src_slot} * a.hidden * 2),
+            vecs, lane);
+      }
+    }
+    // The gate/up GEMM reads the dispatched rows with TMA (the async proxy).
+    if (dispatch) cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      ptx::signal_counter(counter_of(a, slot, mega::signalled_counter(t.kind)));
+    }
+  }
+}
+
+// Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
+// warpgroups), walking the compute list; two threads of the producer warpgroup store the
+// consumers' output tiles and signal them.
+__device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, const TaskShape& s,
+                             MegaSmem& smem) {
+  const int wg = threadIdx.x / 128;
+  const int32_t cta = blockIdx.x - a.comm_ctas, ctas = gridDim.x - a.comm_ctas;
+  const int64_t tasks = mega::num_compute_tasks(s);
+  const int32_t k_gate_up = a.hidden / gemm::kBlockK, k_down = a.intermediate / gemm::kBlockK;
+  gemm::PipelineState<kStages> ps;
+  if (wg == 0) {
+    ptx::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      for (int64_t i = cta; i < tasks; i += ctas) {
+        const Task t = mega::compute_task(s, i);
+        const gemm::TileCoord c = tile_of(a, s, t);
+        wait_for_task(a, s, t, "compute");
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what we waited for
+        if (t.kind == TaskKind::kGateUp)
+          gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.x, &m.x_rows,
+                                                &m.gate, &m.up);
+        else
+          gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
+                                               &m.down);
+      }
+    } else if (threadIdx.x == 32 || threadIdx.x == 64) {
+      const int w = threadIdx.x / 32 - 1;  // the consumer warpgroup this thread stores for
+      uint32_t uses = 0;
+      for (int64_t i = cta; i < tasks; i += ctas) {
+        const Task t = mega::compute_task(s, i);
+        const gemm::TileCoord c = tile_of(a, s, t);
+        if (c.rows > w * 64) {  // else the warpgroup's rows are all padding: nothing to store
+          ptx::mbarrier_wait(&smem.staging_full[w], uses++ & 1);
+          if (t.kind == TaskKind::kGateUp)
+            gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
+          else
+            gemm::store_staging<Epilogue::kStore>(&m.y_out, smem.gemm.out[w], c, w);
+          ptx::tma_store_wait_read();
+          ptx::mbarrier_arrive(&smem.staging_empty[w]);
+          ptx::tma_store_wait_all();
+          cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+        }
+        ptx::signal_counter(counter_of(a, mega::ring_slot_of_tile(s, t.m_tile),
+                                       mega::signalled_counter(t.kind)));
+      }
+    }
+  } else {
+    ptx::warpgroup_reg_alloc<232>();
+    RingSink sink{&smem};
+    for (int64_t i = cta; i < tasks; i += ctas) {
+      const Task t = mega::compute_task(s, i);
+      const gemm::TileCoord c = tile_of(a, s, t);
+      if (t.kind == TaskKind::kGateUp)
+        gemm::consume_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, wg - 1, sink);
+      else
+        gemm::consume_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, wg - 1, sink);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(gemm::kThreads, 1)
+    forward_megakernel(const __grid_constant__ Maps maps, const ForwardMegakernelArgs a) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<MegaSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) /
+                                            1024 * 1024);
+  const TaskShape s = task_shape(a);
+  if (blockIdx.x < a.comm_ctas) {
+    comm_role(a, s);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      ptx::mbarrier_init(&smem.gemm.full[i], 1);
+      ptx::mbarrier_init(&smem.gemm.empty[i], 2);  // one arrival per consumer warpgroup
+    }
+    for (int w = 0; w < 2; ++w) {
+      ptx::mbarrier_init(&smem.staging_full[w], 1);
+      ptx::mbarrier_init(&smem.staging_empty[w], 1);
+    }
+    ptx::mbarrier_init_fence();
+    for (const CUtensorMap* map : {&maps.x, &maps.x_rows, &maps.gate, &maps.up, &maps.h_out,
+                                   &maps.h, &maps.h_rows, &maps.down, &maps.y_out})
+      ptx::prefetch_tensor_map(map);
+  }
+  __syncthreads();
+  compute_role(maps, a, s, smem);
+}
+
+constexpr size_t kSmemBytes = sizeof(MegaSmem) + 1024;  // + alignment slack
+
+}  // namespace
+
+size_t forward_megakernel_counter_bytes(int32_t ring_tiles) {
+  return sizeof(uint32_t) * mega::kCounters * static_cast<size_t>(ring_tiles);
+}
+
+cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& a, int32_t sm_count,
+                                      cudaStream_t stream) {
+  if (a.hidden % 64 != 0 || a.intermediate % 64 != 0 || a.ring_tiles <= 0 ||
+      a.minibatch_tiles <= 0 || a.ring_tiles % a.minibatch_tiles != 0 || a.comm_ctas < 1 ||
+      a.comm_ctas >= sm_count)
+    return cudaErrorInvalidValue;
+  Maps m;
+  const uint64_t ring_rows = uint64_t(a.ring_tiles) * kBlockM;
+  const uint64_t H = uint64_t(a.hidden), I = uint64_t(a.intermediate), E = uint64_t(a.experts);
+  const uint64_t x_dims[2] = {H, ring_rows}, h_dims[2] = {I, ring_rows};
+  const uint32_t rows_box[2] = {gemm::kBlockK, kBlockM};
+  const uint32_t few_rows_box[2] = {gemm::kBlockK, gemm::kRowBoxM};
+  const uint32_t out_box[2] = {64, 64};
+  const uint64_t gu_dims[3] = {H, I, E}, dn_dims[3] = {I, H, E};
+  const uint32_t gu_box[3] = {gemm::kBlockK, gemm::kBlockNMma / 2, 1};
+  const uint32_t dn_box[3] = {gemm::kBlockK, gemm::kBlockNMma, 1};
+  const bool ok = encode_bf16_tensor_map(&m.x, a.ring_x, 2, x_dims, rows_box).ok() &&
+                  encode_bf16_tensor_map(&m.x_rows, a.ring_x, 2, x_dims, few_rows_box).ok() &&
+                  encode_bf16_tensor_map(&m.gate, a.w_gate, 3, gu_dims, gu_box).ok() &&
+                  encode_bf16_tensor_map(&m.up, a.w_up, 3, gu_dims, gu_box).ok() &&
+                  encode_bf16_tensor_map(&m.h_out, a.ring_h, 2, h_dims, out_box).ok() &&
+                  encode_bf16_tensor_map(&m.h, a.ring_h, 2, h_dims, rows_box).ok() &&
+                  encode_bf16_tensor_map(&m.h_rows, a.ring_h, 2, h_dims, few_rows_box).ok() &&
+                  encode_bf16_tensor_map(&m.down, a.w_down, 3, dn_dims, dn_box).ok() &&
+                  encode_bf16_tensor_map(&m.y_out, a.ring_y, 2, x_dims, out_box).ok();
+  if (!ok) return cudaErrorInvalidValue;
+  if (cudaError_t e = cudaFuncSetAttribute(forward_megakernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kSmemBytes));
+      e != cudaSuccess)
+    return e;
+  // NOTES: cooperative, so the launch fails instead of leaving CTAs that others wait for
+  // unscheduled (the two partitions wait on each other).
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(sm_count);
+  config.blockDim = dim3(gemm::kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, forward_megakernel, m, a);
+}
+
+}  // namespace epflow::kernels

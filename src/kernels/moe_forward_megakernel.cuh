@@ -1,0 +1,52 @@
+// The fused forward megakernel: pull dispatch, gate/up GEMM + SwiGLU, down GEMM and push combine
+// in one persistent, cooperative launch whose CTAs are split into a communication partition
+// (the first comm_ctas CTAs: copy rows over NVLink) and a compute partition (the rest: the
+// warp-specialised wgmma GEMM of grouped_gemm.cuh, fed tile by tile). Routed rows live in a ring
+// of ring_tiles row tiles reused macrobatch by macrobatch; the partitions hand tiles to each other
+// only through per-slot counters in local memory (src/common/megakernel_tasks.h).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common/routing_schedule.h"
+#include "kernels/layer_kernels.cuh"
+
+namespace epflow::kernels {
+
+struct ForwardMegakernelArgs {
+  PeerWindows peers;
+  size_t x_offset = 0;        // window offset of the tokens peers pull
+  size_t combine_offset = 0;  // window offset of the (token, k) result slots
+  const sched::PullRow* table = nullptr;
+  const int64_t* seg_offset = nullptr;   // device [experts + 1]
+  const int32_t* expert_rows = nullptr;  // device [experts]: real rows per expert
+  int32_t experts = 0;
+  int32_t hidden = 0;
+  int32_t intermediate = 0;
+  int32_t top_k = 0;
+  int32_t ring_tiles = 0;       // ring capacity in 128-row tiles
+  int32_t minibatch_tiles = 0;  // divides ring_tiles
+  __nv_bfloat16* ring_x = nullptr;  // [ring_tiles * 128, H]
+  __nv_bfloat16* ring_h = nullptr;  // [ring_tiles * 128, I]
+  __nv_bfloat16* ring_y = nullptr;  // [ring_tiles * 128, H]
+  uint32_t* counters = nullptr;     // [ring_tiles][4], zero before each launch
+  const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
+  const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]
+  const __nv_bfloat16* w_down = nullptr;  // [experts, H, I]
+  int32_t comm_ctas = 0;  // communication partition; the other CTAs compute
+  int32_t rank = 0;       // for diagnostics
+  int64_t timeout_ns = 0;
+};
+
+// Bytes of counters for a ring of ring_tiles tiles.
+size_t forward_megakernel_counter_bytes(int32_t ring_tiles);
+
+// One CTA per SM (sm_count CTAs), cooperative so that every CTA is resident (the partitions
+// wait on each other). Expects the counters zeroed (cudaMemsetAsync before, stream-ordered).
+cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& args, int32_t sm_count,
+                                      cudaStream_t stream);
+
+}  // namespace epflow::kernels
