@@ -161,7 +161,8 @@ __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const 
 
 // Where a consumer warpgroup's epilogue output goes: the standalone GEMM stores it itself.
 // acquire(): every thread of the warpgroup, before it writes the staging buffer; publish(): every
-// thread, once the staging is written and fenced for the async proxy.
+// thread, once the staging is written and fenced for the async proxy; skip(): every thread, in
+// place of both when the warpgroup's rows are all padding (after it consumed the tile's stages).
 template <Epilogue kEpi>
 struct DirectStoreSink {
   const CUtensorMap* map_out;
@@ -172,6 +173,7 @@ struct DirectStoreSink {
   __device__ void publish(int wg, int tid, const uint8_t* staging, const TileCoord& c) {
     if (tid == 0) store_staging<kEpi>(map_out, staging, c, wg);
   }
+  __device__ void skip(int, int) {}
 };
 
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
@@ -187,6 +189,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
       ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
       if (tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
     }
+    sink.skip(wg, tid);
     return;
   }
   float acc[kBlockNMma / 2];

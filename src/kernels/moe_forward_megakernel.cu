@@ -23,6 +23,10 @@ using mega::TaskShape;
 // NOTES: 3 stages so one shared layout serves both GEMMs: 3 x 48 KB of A/B tiles plus the down
 // GEMM's 2 x 32 KB output staging = 208 KB (the gate/up GEMM uses half of each staging buffer).
 constexpr int kStages = 3;
+// NOTES: a communication SM moves rows for the whole compute partition, so each lane keeps 16
+// 16-byte loads in flight (8 KB per warp, 96 KB per SM): NVLink latency, not the copy loop,
+// bounds a row copy. 4 in flight measured ~8 GB/s per SM.
+constexpr int kCommUnroll = 16;
 
 struct alignas(1024) MegaSmem {
   gemm::GemmSmem<kStages, gemm::kStagingBytes<Epilogue::kStore>> gemm;
@@ -33,9 +37,13 @@ struct alignas(1024) MegaSmem {
 
 // The consumers' epilogue output goes to a store thread of the producer warpgroup, which issues
 // the TMA stores, waits for them to land and signals the tile's counter: the consumer
-// warpgroups go straight on to their next tile's MMAs.
+// warpgroups go straight on to their next tile's MMAs. A warpgroup whose rows are all padding
+// signals itself once it has consumed the tile's stages. NOTES: never earlier (say, by the store
+// thread as soon as it reaches the task): the producer may not have passed the task's waits yet,
+// and an early signal of round r + 1 would complete a target meant for round r.
 struct RingSink {
   MegaSmem* s;
+  uint32_t* counter = nullptr;  // the current tile's counter
   uint32_t uses = 0;
   __device__ void acquire(int wg, int) {
     ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
@@ -43,6 +51,9 @@ struct RingSink {
   }
   __device__ void publish(int wg, int tid, const uint8_t*, const gemm::TileCoord&) {
     if (tid == 0) ptx::mbarrier_arrive(&s->staging_full[wg]);
+  }
+  __device__ void skip(int, int tid) {
+    if (tid == 0) ptx::signal_counter(counter);
   }
 };
 
@@ -124,13 +135,13 @@ __device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
       const int64_t ring_row = int64_t{slot} * kBlockM + r;
       if (dispatch) {
         const int64_t token = src.src_slot / a.top_k;
-        warp_copy_row(reinterpret_cast<const int4*>(a.peers.base[src.src_rank] + a.x_offset +
+        warp_copy_row<kCommUnroll>(reinterpret_cast<const int4*>(a.peers.base[src.src_rank] + a.x_offset +
                                                     token * a.hidden * 2),
                       reinterpret_cast<int4*>(a.ring_x + ring_row * a.hidden), vecs, lane);
       } else {
         // NOTES: y was written by TMA stores of other SMs; load through L2 (ld.cg) so an L1
         // line of this slot's previous round can never be read.
-        warp_copy_row<4, true>(
+        warp_copy_row<kCommUnroll, true>(
             reinterpret_cast<const int4*>(a.ring_y + ring_row * a.hidden),
             reinterpret_cast<int4*>(a.peers.base[src.src_rank] + a.combine_offset +
                                     int64_t{src.src_slot} * a.hidden * 2),
@@ -178,17 +189,16 @@ __device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, cons
       for (int64_t i = cta; i < tasks; i += ctas) {
         const Task t = mega::compute_task(s, i);
         const gemm::TileCoord c = tile_of(a, s, t);
-        if (c.rows > w * 64) {  // else the warpgroup's rows are all padding: nothing to store
-          ptx::mbarrier_wait(&smem.staging_full[w], uses++ & 1);
-          if (t.kind == TaskKind::kGateUp)
-            gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
-          else
-            gemm::store_staging<Epilogue::kStore>(&m.y_out, smem.gemm.out[w], c, w);
-          ptx::tma_store_wait_read();
-          ptx::mbarrier_arrive(&smem.staging_empty[w]);
-          ptx::tma_store_wait_all();
-          cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-        }
+        if (c.rows <= w * 64) continue;  // all padding: the warpgroup signals itself
+        ptx::mbarrier_wait(&smem.staging_full[w], uses++ & 1);
+        if (t.kind == TaskKind::kGateUp)
+          gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
+        else
+          gemm::store_staging<Epilogue::kStore>(&m.y_out, smem.gemm.out[w], c, w);
+        ptx::tma_store_wait_read();
+        ptx::mbarrier_arrive(&smem.staging_empty[w]);
+        ptx::tma_store_wait_all();
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
         ptx::signal_counter(counter_of(a, mega::ring_slot_of_tile(s, t.m_tile),
                                        mega::signalled_counter(t.kind)));
       }
@@ -199,6 +209,8 @@ __device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, cons
     for (int64_t i = cta; i < tasks; i += ctas) {
       const Task t = mega::compute_task(s, i);
       const gemm::TileCoord c = tile_of(a, s, t);
+      sink.counter = counter_of(a, mega::ring_slot_of_tile(s, t.m_tile),
+                                mega::signalled_counter(t.kind));
       if (t.kind == TaskKind::kGateUp)
         gemm::consume_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, wg - 1, sink);
       else
