@@ -22,8 +22,10 @@
 //   C(m):  y_done   >= (round + 1) * 2 * n_down
 //
 // Order. Each partition's CTAs take their tasks round-robin from one list, each CTA in list
-// order. Compute list: per minibatch (minibatch_tiles row tiles), all its GU tiles (row tile
-// fastest, so concurrent CTAs share weight tiles through L2), then all its DN tiles. Comm list:
+// order. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
+// GU of minibatch j + 1 followed by DN of minibatch j (row tile fastest inside each, so
+// concurrent CTAs share weight tiles through L2), then DN of the last; without the lag (GU(j),
+// DN(j), ...) when the ring holds a single minibatch. Comm list:
 // D of the first round's tiles, then for each tile m: C(m), then D(m + ring_tiles) if it exists.
 // Both lists are consistent with one global order in which every task comes after all tasks it
 // waits for (docs/ARCHITECTURE.md), so the earliest unfinished task can always run: no deadlock.
@@ -58,18 +60,54 @@ EPFLOW_HD int64_t num_compute_tasks(const TaskShape& s) {
   return int64_t{s.m_tiles} * (s.n_gate_up + s.n_down);
 }
 
-EPFLOW_HD Task compute_task(const TaskShape& s, int64_t t) {
-  const int64_t per_minibatch = int64_t{s.minibatch_tiles} * (s.n_gate_up + s.n_down);
-  const int32_t first = static_cast<int32_t>(t / per_minibatch) * s.minibatch_tiles;
-  int64_t off = t % per_minibatch;
+// The compute list runs the down GEMM of minibatch j after the gate/up GEMM of minibatch j + 1
+// (when the ring holds two minibatches or more): by the time a CTA takes a down tile, the gate/up
+// tiles it needs finished a whole minibatch earlier, and the tail wave of one minibatch's gate/up
+// tiles is filled with ready down tiles instead of idle CTAs.
+EPFLOW_HD bool lagged_down(const TaskShape& s) { return s.ring_tiles >= 2 * s.minibatch_tiles; }
+
+EPFLOW_HD int32_t num_minibatches(const TaskShape& s) {
+  return (s.m_tiles + s.minibatch_tiles - 1) / s.minibatch_tiles;
+}
+
+// Task `off` of one GEMM's tiles over minibatch j, row tile fastest (concurrent CTAs share the
+// weight tiles of the same n through L2).
+EPFLOW_HD Task minibatch_task(const TaskShape& s, TaskKind kind, int32_t j, int64_t off) {
+  const int32_t first = j * s.minibatch_tiles;
   const int32_t left = s.m_tiles - first;
   const int32_t mt = left < s.minibatch_tiles ? left : s.minibatch_tiles;
-  if (off < int64_t{mt} * s.n_gate_up)
-    return Task{TaskKind::kGateUp, first + static_cast<int32_t>(off % mt),
-                static_cast<int32_t>(off / mt)};
-  off -= int64_t{mt} * s.n_gate_up;
-  return Task{TaskKind::kDown, first + static_cast<int32_t>(off % mt),
-              static_cast<int32_t>(off / mt)};
+  return Task{kind, first + static_cast<int32_t>(off % mt), static_cast<int32_t>(off / mt)};
+}
+
+EPFLOW_HD Task compute_task(const TaskShape& s, int64_t t) {
+  const int32_t jn = num_minibatches(s);
+  const int32_t last_tiles = s.m_tiles - (jn - 1) * s.minibatch_tiles;
+  const int64_t gu = int64_t{s.minibatch_tiles} * s.n_gate_up;  // a full minibatch's tasks
+  const int64_t dn = int64_t{s.minibatch_tiles} * s.n_down;
+  const int64_t gu_last = int64_t{last_tiles} * s.n_gate_up;
+  if (!lagged_down(s) || jn == 1) {  // GU(0) DN(0) GU(1) DN(1) ...
+    const int32_t j = static_cast<int32_t>(t / (gu + dn));
+    const int64_t off = t % (gu + dn);
+    const int64_t gu_j = j == jn - 1 ? gu_last : gu;
+    return off < gu_j ? minibatch_task(s, TaskKind::kGateUp, j, off)
+                      : minibatch_task(s, TaskKind::kDown, j, off - gu_j);
+  }
+  // GU(0), then [GU(k), DN(k-1)] for k = 1 .. jn-1, then DN(jn-1); only GU(jn-1) and DN(jn-1)
+  // may be partial.
+  if (t < gu) return minibatch_task(s, TaskKind::kGateUp, 0, t);
+  int64_t u = t - gu;
+  const int64_t full_pairs = jn - 2;  // pairs k = 1 .. jn-2
+  if (u < full_pairs * (gu + dn)) {
+    const int32_t k = 1 + static_cast<int32_t>(u / (gu + dn));
+    const int64_t off = u % (gu + dn);
+    return off < gu ? minibatch_task(s, TaskKind::kGateUp, k, off)
+                    : minibatch_task(s, TaskKind::kDown, k - 1, off - gu);
+  }
+  u -= full_pairs * (gu + dn);
+  if (u < gu_last) return minibatch_task(s, TaskKind::kGateUp, jn - 1, u);
+  u -= gu_last;
+  if (u < dn) return minibatch_task(s, TaskKind::kDown, jn - 2, u);
+  return minibatch_task(s, TaskKind::kDown, jn - 1, u - dn);
 }
 
 EPFLOW_HD int64_t num_comm_tasks(const TaskShape& s) { return int64_t{2} * s.m_tiles; }

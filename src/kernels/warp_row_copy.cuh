@@ -29,23 +29,27 @@ __device__ __forceinline__ void for_each_routed_row(const sched::PullRow* table,
   }
 }
 
+// A row as batches of kUnroll 16-byte vectors per lane: all loads of a batch are issued before
+// its stores, and the last batch is predicated rather than copied vector by vector, so a row costs
+// ceil(vecs / (32 kUnroll)) memory round trips (NVLink latency is paid per round trip).
 // kBypassL1: load with ld.global.cg (through L2 only), for rows other SMs wrote during this kernel.
 template <int kUnroll = 4, bool kBypassL1 = false>
 __device__ __forceinline__ void warp_copy_row(const int4* __restrict__ src, int4* __restrict__ dst,
                                               int64_t vecs, int lane) {
-  auto load = [](const int4* p) {
-    if constexpr (kBypassL1) return __ldcg(p);
-    else return *p;
-  };
-  int64_t i = lane;
-  for (; i + 32 * (kUnroll - 1) < vecs; i += 32 * kUnroll) {
+  for (int64_t base = lane; base < vecs; base += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load(src + i + 32 * u);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + 32 * u;
+      if (i < vecs) {
+        if constexpr (kBypassL1) v[u] = __ldcg(src + i);
+        else v[u] = src[i];
+      }
+    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + 32 * u < vecs) dst[base + 32 * u] = v[u];
   }
-  for (; i < vecs; i += 32) dst[i] = load(src + i);
 }
 
 }  // namespace epflow::kernels

@@ -167,21 +167,35 @@ TEST(MegakernelTasks, EmptyTableHasNoTasks) {
   EXPECT_EQ(num_comm_tasks(s), 0);
 }
 
-TEST(MegakernelTasks, ComputeListWalksMinibatchesGateUpBeforeDown) {
-  const TaskShape s{5, 4, 2, 2, 3};
+TEST(MegakernelTasks, ComputeListLagsDownGemmByOneMinibatch) {
+  const TaskShape s{5, 4, 2, 2, 3};  // minibatches: tiles {0,1} {2,3} {4}
   std::vector<Task> list;
   for (int64_t t = 0; t < num_compute_tasks(s); ++t) list.push_back(compute_task(s, t));
-  // Minibatch 0 = tiles 0,1: GU (0,0) (1,0) (0,1) (1,1), then DN (0,0) (1,0) (0,1) ...
-  EXPECT_EQ(list[0].kind, TaskKind::kGateUp);
-  EXPECT_EQ(list[1].m_tile, 1);
-  EXPECT_EQ(list[2].n_tile, 1);
-  EXPECT_EQ(list[4].kind, TaskKind::kDown);
-  EXPECT_EQ(list[2 * 5].kind, TaskKind::kGateUp);
-  EXPECT_EQ(list[2 * 5].m_tile, 2);
-  // Last minibatch is the single tile 4.
-  EXPECT_EQ(list.back().m_tile, 4);
-  EXPECT_EQ(list.back().kind, TaskKind::kDown);
-  EXPECT_EQ(list.back().n_tile, 2);
+  auto is = [&](size_t i, TaskKind k, int32_t m, int32_t n) {
+    return list[i].kind == k && list[i].m_tile == m && list[i].n_tile == n;
+  };
+  // GU(mb 0): (0,0) (1,0) (0,1) (1,1); GU(mb 1): 4 tasks; DN(mb 0): 6 tasks; GU(mb 2): 2;
+  // DN(mb 1): 6; DN(mb 2): 3.
+  EXPECT_TRUE(is(0, TaskKind::kGateUp, 0, 0));
+  EXPECT_TRUE(is(1, TaskKind::kGateUp, 1, 0));
+  EXPECT_TRUE(is(2, TaskKind::kGateUp, 0, 1));
+  EXPECT_TRUE(is(4, TaskKind::kGateUp, 2, 0));
+  EXPECT_TRUE(is(8, TaskKind::kDown, 0, 0));
+  EXPECT_TRUE(is(13, TaskKind::kDown, 1, 2));
+  EXPECT_TRUE(is(14, TaskKind::kGateUp, 4, 0));
+  EXPECT_TRUE(is(15, TaskKind::kGateUp, 4, 1));
+  EXPECT_TRUE(is(16, TaskKind::kDown, 2, 0));
+  EXPECT_TRUE(is(22, TaskKind::kDown, 4, 0));
+  EXPECT_TRUE(is(24, TaskKind::kDown, 4, 2));
+  ASSERT_EQ(list.size(), 25u);
+}
+
+TEST(MegakernelTasks, RingOfOneMinibatchDoesNotLag) {
+  const TaskShape s{4, 2, 2, 1, 1};
+  EXPECT_FALSE(lagged_down(s));
+  EXPECT_EQ(compute_task(s, 2).kind, TaskKind::kDown);
+  EXPECT_EQ(compute_task(s, 4).kind, TaskKind::kGateUp);
+  EXPECT_EQ(compute_task(s, 4).m_tile, 2);
 }
 
 }  // namespace
