@@ -5,28 +5,24 @@
 //
 // The pull table's row tiles m = 0 .. m_tiles-1 (kBlockM rows each, all inside one expert) live in
 // a ring of ring_tiles tile slots: tile m uses slot m % ring_tiles during macrobatch
-// m / ring_tiles ("round"). Four task kinds per tile:
+// m / ring_tiles ("round"). Three task kinds per tile:
 //   D(m)    dispatch (comm SMs): pull the tile's x rows from their source ranks into the slot;
 //   GU(m,n) gate/up GEMM + SwiGLU (compute SMs): h slot = swiglu(x slot, expert weights), n tile;
-//   DN(m,n) down GEMM (compute SMs): y slot = h slot * W_down^T, n tile;
-//   C(m)    combine (comm SMs): push the slot's y rows into their owners' (token, k) slots.
-// Hand-over happens through four monotonically growing counters per slot, in local memory:
-//   x_ready  += 1 per D,   h_done += 1 per GU warpgroup half (2 per tile),
-//   y_done   += 2 per DN,  combined += 1 per C.
+//   DN(m,n) down GEMM (compute SMs): y = h slot * W_down^T, n tile, pushed from the epilogue
+//           straight into the owners' (token, k) combine slots (no y buffer, no combine task).
+// Hand-over happens through three monotonically growing counters per slot, in local memory:
+//   x_ready += 1 per D,  h_done += 1 per GU warpgroup half (2 per tile),  y_done += 2 per DN.
 // Each task waits for the counters below (wait_targets) before touching the slot:
-//   D(m):  h_done   >= round * 2 * n_gate_up    (the previous round's GU finished reading x)
-//   GU(m): x_ready  >= round + 1                (this round's x has arrived)
-//          y_done   >= round * 2 * n_down       (the previous round's DN finished reading h)
-//   DN(m): h_done   >= (round + 1) * 2 * n_gate_up
-//          combined >= round                    (the previous round's C finished reading y)
-//   C(m):  y_done   >= (round + 1) * 2 * n_down
+//   D(m):  h_done  >= round * 2 * n_gate_up        (the previous round's GU finished reading x)
+//   GU(m): x_ready >= round + 1                    (this round's x has arrived)
+//          y_done  >= round * 2 * n_down           (the previous round's DN finished reading h)
+//   DN(m): h_done  >= (round + 1) * 2 * n_gate_up
 //
 // Order. Each partition's CTAs take their tasks round-robin from one list, each CTA in list
 // order. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
 // GU of minibatch j + 1 followed by DN of minibatch j (row tile fastest inside each, so
 // concurrent CTAs share weight tiles through L2), then DN of the last; without the lag (GU(j),
-// DN(j), ...) when the ring holds a single minibatch. Comm list:
-// D of the first round's tiles, then for each tile m: C(m), then D(m + ring_tiles) if it exists.
+// DN(j), ...) when the ring holds a single minibatch. Comm list: D(0), D(1), ... in tile order.
 // Both lists are consistent with one global order in which every task comes after all tasks it
 // waits for (docs/ARCHITECTURE.md), so the earliest unfinished task can always run: no deadlock.
 #pragma once
@@ -45,12 +41,12 @@ struct TaskShape {
   int32_t n_down = 1;           // N tiles of the down GEMM
 };
 
-enum class TaskKind : int32_t { kDispatch, kGateUp, kDown, kCombine };
+enum class TaskKind : int32_t { kDispatch, kGateUp, kDown };
 
 struct Task {
   TaskKind kind;
   int32_t m_tile;
-  int32_t n_tile;  // 0 for dispatch and combine
+  int32_t n_tile;  // 0 for dispatch
 };
 
 // Signals per GEMM tile: one per consumer warpgroup (each owns 64 of the 128 rows).
@@ -110,31 +106,21 @@ EPFLOW_HD Task compute_task(const TaskShape& s, int64_t t) {
   return minibatch_task(s, TaskKind::kDown, jn - 1, u - dn);
 }
 
-EPFLOW_HD int64_t num_comm_tasks(const TaskShape& s) { return int64_t{2} * s.m_tiles; }
+EPFLOW_HD int64_t num_comm_tasks(const TaskShape& s) { return s.m_tiles; }
 
-EPFLOW_HD Task comm_task(const TaskShape& s, int64_t t) {
-  const int32_t first_round = s.m_tiles < s.ring_tiles ? s.m_tiles : s.ring_tiles;
-  if (t < first_round) return Task{TaskKind::kDispatch, static_cast<int32_t>(t), 0};
-  const int64_t u = t - first_round;
-  const int64_t pairs = s.m_tiles - first_round;  // tiles m whose C(m) is followed by D(m + ring)
-  if (u < 2 * pairs) {
-    const int32_t m = static_cast<int32_t>(u / 2);
-    return u % 2 == 0 ? Task{TaskKind::kCombine, m, 0}
-                      : Task{TaskKind::kDispatch, m + s.ring_tiles, 0};
-  }
-  return Task{TaskKind::kCombine, static_cast<int32_t>(pairs + (u - 2 * pairs)), 0};
+EPFLOW_HD Task comm_task(const TaskShape&, int64_t t) {
+  return Task{TaskKind::kDispatch, static_cast<int32_t>(t), 0};
 }
 
 // The counters of one ring slot.
-enum class Counter : int32_t { kXReady = 0, kHDone = 1, kYDone = 2, kCombined = 3 };
-inline constexpr int kCounters = 4;
+enum class Counter : int32_t { kXReady = 0, kHDone = 1, kYDone = 2 };
+inline constexpr int kCounters = 3;
 
 EPFLOW_HD const char* counter_name(Counter c) {
   switch (c) {
     case Counter::kXReady: return "x_ready (dispatched x rows)";
     case Counter::kHDone: return "h_done (gate/up warpgroups finished)";
-    case Counter::kYDone: return "y_done (down warpgroups finished)";
-    default: return "combined (pushed y rows)";
+    default: return "y_done (down warpgroups finished)";
   }
 }
 
@@ -142,8 +128,7 @@ EPFLOW_HD const char* task_name(TaskKind k) {
   switch (k) {
     case TaskKind::kDispatch: return "dispatch";
     case TaskKind::kGateUp: return "gate/up GEMM";
-    case TaskKind::kDown: return "down GEMM";
-    default: return "combine";
+    default: return "down GEMM + combine";
   }
 }
 
@@ -168,10 +153,6 @@ EPFLOW_HD int wait_targets(const TaskShape& s, const Task& task, WaitTarget out[
       break;
     case TaskKind::kDown:
       out[n++] = WaitTarget{Counter::kHDone, (round + 1) * gu};
-      if (round > 0) out[n++] = WaitTarget{Counter::kCombined, round};
-      break;
-    case TaskKind::kCombine:
-      out[n++] = WaitTarget{Counter::kYDone, (round + 1) * dn};
       break;
   }
   return n;
@@ -182,8 +163,7 @@ EPFLOW_HD Counter signalled_counter(TaskKind k) {
   switch (k) {
     case TaskKind::kDispatch: return Counter::kXReady;
     case TaskKind::kGateUp: return Counter::kHDone;
-    case TaskKind::kDown: return Counter::kYDone;
-    default: return Counter::kCombined;
+    default: return Counter::kYDone;
   }
 }
 

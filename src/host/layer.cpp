@@ -98,10 +98,9 @@ struct Layer::Impl {
   int64_t* tokens = nullptr;                // [world]: each rank's T of the current call
   uint64_t* epoch = nullptr;                // barrier epoch
   int64_t max_rows = 0;                     // pull-table capacity (multiple of the tile)
-  // The ring of the megakernel: plan.ring_rows routed rows of x, h and y, and its counters.
+  // The ring of the megakernel: plan.ring_rows routed rows of x and h, and its counters.
   __nv_bfloat16* ring_x = nullptr;
   __nv_bfloat16* ring_h = nullptr;
-  __nv_bfloat16* ring_y = nullptr;
   uint32_t* ring_counters = nullptr;
   size_t ring_counter_bytes = 0;
 
@@ -150,8 +149,8 @@ Status Layer::Impl::allocate() {
   ring_counter_bytes = kernels::forward_megakernel_counter_bytes(
       static_cast<int32_t>(ring_rows / kernels::kExpertFfnTileM));
   const size_t counter_bytes = aligned(ring_counter_bytes);
-  EPFLOW_CUDA_RETURN(cudaMalloc(
-      &local, schedule_bytes + small_bytes + counter_bytes + 2 * x_bytes + h_bytes));
+  EPFLOW_CUDA_RETURN(
+      cudaMalloc(&local, schedule_bytes + small_bytes + counter_bytes + x_bytes + h_bytes));
   char* p = static_cast<char*>(local);
   schedule_buffers = kernels::carve_schedule_buffers(schedule, p);
   p += schedule_bytes;
@@ -166,8 +165,6 @@ Status Layer::Impl::allocate() {
   ring_x = reinterpret_cast<__nv_bfloat16*>(p);
   p += x_bytes;
   ring_h = reinterpret_cast<__nv_bfloat16*>(p);
-  p += h_bytes;
-  ring_y = reinterpret_cast<__nv_bfloat16*>(p);
 
   std::vector<const int32_t*> idx(c.ep_size);
   for (int32_t r = 0; r < c.ep_size; ++r)
@@ -188,7 +185,7 @@ Status Layer::Impl::allocate() {
 
   memory.symmetric_bytes = static_cast<int64_t>(window.bytes());
   memory.schedule_bytes = static_cast<int64_t>(schedule_bytes + small_bytes + counter_bytes);
-  memory.ring_bytes = static_cast<int64_t>(2 * x_bytes + h_bytes);
+  memory.ring_bytes = static_cast<int64_t>(x_bytes + h_bytes);
   return Status::ok_status();
 }
 
@@ -227,7 +224,6 @@ Status Layer::Impl::run_megakernel(const ForwardArgs& a, cudaStream_t stream) {
   m.minibatch_tiles = static_cast<int32_t>(plan.minibatch_rows / kernels::kExpertFfnTileM);
   m.ring_x = ring_x;
   m.ring_h = ring_h;
-  m.ring_y = ring_y;
   m.counters = ring_counters;
   m.w_gate = a.weights.gate;
   m.w_up = a.weights.up;

@@ -44,8 +44,9 @@ Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
     const int64_t cap = sched::round_up(p.max_routed_rows, p.minibatch_rows);
     p.ring_rows = std::min<int64_t>(kDefaultRingMinibatches * p.minibatch_rows, cap);
   }
-  // Per ring row: the routed x row (H), its SwiGLU output (I) and its expert output (H), bf16.
-  p.ring_bytes = p.ring_rows * (2 * c.hidden + c.intermediate) * 2;
+  // Per ring row: the routed x row (H) and its SwiGLU output (I), bf16 (the expert output goes
+  // straight from the down GEMM's registers to the owner's combine slot).
+  p.ring_bytes = p.ring_rows * (c.hidden + c.intermediate) * 2;
   *plan = p;
   return Status::ok_status();
 }

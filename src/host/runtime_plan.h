@@ -25,7 +25,7 @@ struct LayerPlan {
   int64_t minibatch_rows = 0;   // multiple of tile.m
   int64_t ring_rows = 0;        // multiple of minibatch_rows
   int64_t max_routed_rows = 0;  // pull-table capacity: every slot of every rank, plus padding
-  int64_t ring_bytes = 0;       // routed x rows + SwiGLU intermediates + expert outputs (bf16)
+  int64_t ring_bytes = 0;       // routed x rows + SwiGLU intermediates (bf16)
 };
 
 // Default communication SMs. NOTES: MoK tuned 24 of 148 SMs for BF16 forward; TMA bulk copies

@@ -159,12 +159,17 @@ __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const 
   ptx::tma_store_commit();
 }
 
-// Where a consumer warpgroup's epilogue output goes: the standalone GEMM stores it itself.
+// Where a consumer warpgroup's epilogue output goes. Staged sinks (kDirect = false):
 // acquire(): every thread of the warpgroup, before it writes the staging buffer; publish(): every
-// thread, once the staging is written and fenced for the async proxy; skip(): every thread, in
-// place of both when the warpgroup's rows are all padding (after it consumed the tile's stages).
+// thread, once the staging is written and fenced for the async proxy. Direct sinks (kDirect,
+// kStore only) take the values from registers: begin(c, wg, tid), then write(j, half, v0, v1)
+// for columns 8j + 2q, 8j + 2q + 1 of row warp*16 + g + 8*half of the warpgroup's 64 (lane =
+// 4g + q), then end(wg, tid). skip(): every thread, in place of all of these when the
+// warpgroup's rows are all padding (after it consumed the tile's stages).
+// DirectStoreSink: the standalone GEMM stores its tiles itself.
 template <Epilogue kEpi>
 struct DirectStoreSink {
+  static constexpr bool kDirect = false;
   const CUtensorMap* map_out;
   __device__ void acquire(int wg, int tid) {
     if (tid == 0) ptx::tma_store_wait_read();  // the previous tile's stores are done reading
@@ -218,38 +223,49 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   ptx::wgmma_fence_operands(acc);
   if (k_blocks > 0 && tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
 
-  // Epilogue. NOTES: thread (warp w, lane g*4+q) holds rows w*16+g (+8) and, per n8 block j,
-  // columns 8j+2q+{0,1}: as bf16x2 they go to 16-byte chunk j%8 of a 128-byte staging row,
-  // swizzled by the row (chunk ^ row%8), so a warp's 32 stores hit 32 different banks.
-  uint8_t* staging = s.out[wg];
-  sink.acquire(wg, tid);
-  const int warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-  auto put = [&](int j, int half, float v0, float v1) {
-    const int row = warp * 16 + g + 8 * half;
-    const int box = j / 8, chunk = (j % 8) ^ (row % 8);
-    *reinterpret_cast<__nv_bfloat162*>(staging + box * 64 * 128 + row * 128 + chunk * 16 + 4 * q) =
-        __floats2bfloat162_rn(v0, v1);
-  };
-  if constexpr (kEpi == Epilogue::kSwiGLU) {
-    constexpr int kUp = kBlockNMma / 2 / 8 * 4;  // register offset of the up half
-    auto swiglu = [](float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; };
+  if constexpr (Sink::kDirect) {
+    static_assert(kEpi == Epilogue::kStore, "direct sinks take plain outputs");
+    sink.begin(c, wg, tid);
 #pragma unroll
-    for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
-      const float* r = acc + 4 * j;
-      put(j, 0, swiglu(r[0], r[kUp + 0]), swiglu(r[1], r[kUp + 1]));
-      put(j, 1, swiglu(r[2], r[kUp + 2]), swiglu(r[3], r[kUp + 3]));
+    for (int j = 0; j < kBlockNMma / 8; ++j) {
+      sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
+      sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
     }
+    sink.end(wg, tid);
   } else {
+    // Epilogue. NOTES: thread (warp w, lane g*4+q) holds rows w*16+g (+8) and, per n8 block j,
+    // columns 8j+2q+{0,1}: as bf16x2 they go to 16-byte chunk j%8 of a 128-byte staging row,
+    // swizzled by the row (chunk ^ row%8), so a warp's 32 stores hit 32 different banks.
+    uint8_t* staging = s.out[wg];
+    sink.acquire(wg, tid);
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+    auto put = [&](int j, int half, float v0, float v1) {
+      const int row = warp * 16 + g + 8 * half;
+      const int box = j / 8, chunk = (j % 8) ^ (row % 8);
+      *reinterpret_cast<__nv_bfloat162*>(staging + box * 64 * 128 + row * 128 + chunk * 16 +
+                                         4 * q) = __floats2bfloat162_rn(v0, v1);
+    };
+    if constexpr (kEpi == Epilogue::kSwiGLU) {
+      constexpr int kUp = kBlockNMma / 2 / 8 * 4;  // register offset of the up half
+      auto swiglu = [](float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; };
 #pragma unroll
-    for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
-      const float* r = acc + 4 * j;
-      put(j, 0, r[0], r[1]);
-      put(j, 1, r[2], r[3]);
+      for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
+        const float* r = acc + 4 * j;
+        put(j, 0, swiglu(r[0], r[kUp + 0]), swiglu(r[1], r[kUp + 1]));
+        put(j, 1, swiglu(r[2], r[kUp + 2]), swiglu(r[3], r[kUp + 3]));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
+        const float* r = acc + 4 * j;
+        put(j, 0, r[0], r[1]);
+        put(j, 1, r[2], r[3]);
+      }
     }
+    ptx::fence_shared_to_async_proxy();
+    ptx::named_barrier_sync(1 + wg, 128);
+    sink.publish(wg, tid, staging, c);
   }
-  ptx::fence_shared_to_async_proxy();
-  ptx::named_barrier_sync(1 + wg, 128);
-  sink.publish(wg, tid, staging, c);
 }
 
 // Standalone persistent driver: every CTA walks tiles blockIdx.x, + gridDim.x, ...

@@ -20,28 +20,29 @@ using mega::Task;
 using mega::TaskKind;
 using mega::TaskShape;
 
-// NOTES: 3 stages so one shared layout serves both GEMMs: 3 x 48 KB of A/B tiles plus the down
-// GEMM's 2 x 32 KB output staging = 208 KB (the gate/up GEMM uses half of each staging buffer).
-constexpr int kStages = 3;
-// NOTES: a communication SM moves rows for the whole compute partition, so each lane keeps 16
+// NOTES: the down GEMM pushes its outputs from registers (no staging), so only the gate/up
+// epilogue stages in shared memory: 4 x 48 KB of A/B tiles + 2 x 16 KB staging = 224 KB of 227.
+constexpr int kStages = 4;
+// NOTES: a communication SM pulls rows for the whole compute partition, so each lane keeps 16
 // 16-byte loads in flight (8 KB per warp, 96 KB per SM): a 7168-wide bf16 row is 2 NVLink round
 // trips. Copying the tail vector by vector (13 round trips per row) measured ~10 GB/s per SM.
 constexpr int kCommUnroll = 16;
 
 struct alignas(1024) MegaSmem {
-  gemm::GemmSmem<kStages, gemm::kStagingBytes<Epilogue::kStore>> gemm;
+  gemm::GemmSmem<kStages, gemm::kStagingBytes<Epilogue::kSwiGLU>> gemm;
   // Consumer warpgroup w -> its store thread: "staging w holds a tile" / "staging w is free".
   uint64_t staging_full[2];
   uint64_t staging_empty[2];
 };
 
-// The consumers' epilogue output goes to a store thread of the producer warpgroup, which issues
-// the TMA stores, waits for them to land and signals the tile's counter: the consumer
-// warpgroups go straight on to their next tile's MMAs. A warpgroup whose rows are all padding
+// Gate/up tiles: the consumers' epilogue output goes to a store thread of the producer
+// warpgroup, which issues the TMA stores of h into the ring, waits for them to land and signals
+// the tile's counter: the consumer warpgroups go straight on to their next tile's MMAs. A warpgroup whose rows are all padding
 // signals itself once it has consumed the tile's stages. NOTES: never earlier (say, by the store
 // thread as soon as it reaches the task): the producer may not have passed the task's waits yet,
 // and an early signal of round r + 1 would complete a target meant for round r.
 struct RingSink {
+  static constexpr bool kDirect = false;
   MegaSmem* s;
   uint32_t* counter = nullptr;  // the current tile's counter
   uint32_t uses = 0;
@@ -57,13 +58,52 @@ struct RingSink {
   }
 };
 
+// Down tiles: push combine in the epilogue. Each thread writes its two rows' 128 columns as
+// bf16 pairs straight from the accumulators into the owners' (token, k) combine slots (local
+// HBM or a peer over NVLink; no atomics: every slot has one writer), skipping padding rows and
+// columns past H. The tile's counter only says its h rows were read (all its stages arrived),
+// so the warpgroup signals as soon as its own writes are issued.
+struct PushCombineSink {
+  static constexpr bool kDirect = true;
+  const ForwardMegakernelArgs* a;
+  uint32_t* counter = nullptr;
+  char* dst[2] = {nullptr, nullptr};  // the thread's rows in their combine slots at this n tile
+  int32_t cols = 0;                   // columns of this n tile inside H
+  int32_t q = 0;
+  __device__ void begin(const gemm::TileCoord& c, int wg, int tid) {
+    const int warp = tid / 32, g = tid % 32 / 4;
+    q = tid % 4;
+    cols = a->hidden - c.n_tile * gemm::kBlockNMma;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = wg * 64 + warp * 16 + g + 8 * half;
+      dst[half] = nullptr;
+      if (row < c.rows) {
+        const sched::PullRow r = a->table[int64_t{c.m_tile} * kBlockM + row];
+        dst[half] = a->peers.base[r.src_rank] + a->combine_offset +
+                    (int64_t{r.src_slot} * a->hidden + int64_t{c.n_tile} * gemm::kBlockNMma) * 2;
+      }
+    }
+  }
+  __device__ void write(int j, int half, float v0, float v1) {
+    const int col = 8 * j + 2 * q;
+    if (dst[half] && col < cols)
+      *reinterpret_cast<__nv_bfloat162*>(dst[half] + col * 2) = __floats2bfloat162_rn(v0, v1);
+  }
+  __device__ void end(int, int tid) {
+    if (tid == 0) ptx::signal_counter(counter);
+  }
+  __device__ void skip(int, int tid) {
+    if (tid == 0) ptx::signal_counter(counter);
+  }
+};
+
 struct Maps {
   CUtensorMap x, x_rows;   // ring x as the gate/up GEMM's rows (128-row and 16-row boxes)
   CUtensorMap gate, up;    // [E, I, H], 128-row boxes
   CUtensorMap h_out;       // ring h as the gate/up output (64 x 64 boxes)
   CUtensorMap h, h_rows;   // ring h as the down GEMM's rows
   CUtensorMap down;        // [E, H, I], 256-row boxes
-  CUtensorMap y_out;       // ring y as the down output
 };
 
 __device__ TaskShape task_shape(const ForwardMegakernelArgs& a) {
@@ -117,7 +157,7 @@ __device__ void wait_for_task(const ForwardMegakernelArgs& a, const TaskShape& s
   }
 }
 
-// Communication partition: every thread of the CTA copies rows, a warp per row.
+// Communication partition: pull dispatch, every thread of the CTA copying rows, a warp per row.
 __device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
   constexpr int kWarps = gemm::kThreads / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -129,27 +169,17 @@ __device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
     if (threadIdx.x == 0) wait_for_task(a, s, t, "communication");
     __syncthreads();
     const int32_t rows = tile_of(a, s, t).rows;
-    const bool dispatch = t.kind == TaskKind::kDispatch;
     for (int32_t r = warp; r < rows; r += kWarps) {
       const sched::PullRow src = a.table[int64_t{t.m_tile} * kBlockM + r];
-      const int64_t ring_row = int64_t{slot} * kBlockM + r;
-      if (dispatch) {
-        const int64_t token = src.src_slot / a.top_k;
-        warp_copy_row<kCommUnroll>(reinterpret_cast<const int4*>(a.peers.base[src.src_rank] + a.x_offset +
-                                                    token * a.hidden * 2),
-                      reinterpret_cast<int4*>(a.ring_x + ring_row * a.hidden), vecs, lane);
-      } else {
-        // NOTES: y was written by TMA stores of other SMs; load through L2 (ld.cg) so an L1
-        // line of this slot's previous round can never be read.
-        warp_copy_row<kCommUnroll, true>(
-            reinterpret_cast<const int4*>(a.ring_y + ring_row * a.hidden),
-            reinterpret_cast<int4*>(a.peers.base[src.src_rank] + a.combine_offset +
-                                    int64_t{src.src_slot} * a.hidden * 2),
-            vecs, lane);
-      }
+      const int64_t token = src.src_slot / a.top_k;
+      warp_copy_row<kCommUnroll>(
+          reinterpret_cast<const int4*>(a.peers.base[src.src_rank] + a.x_offset +
+                                        token * a.hidden * 2),
+          reinterpret_cast<int4*>(a.ring_x + (int64_t{slot} * kBlockM + r) * a.hidden), vecs,
+          lane);
     }
     // The gate/up GEMM reads the dispatched rows with TMA (the async proxy).
-    if (dispatch) cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence();
@@ -160,7 +190,7 @@ __device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
 
 // Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
 // warpgroups), walking the compute list; two threads of the producer warpgroup store the
-// consumers' output tiles and signal them.
+// consumers' gate/up output tiles and signal them.
 __device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, const TaskShape& s,
                              MegaSmem& smem) {
   const int wg = threadIdx.x / 128;
@@ -189,12 +219,10 @@ __device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, cons
       for (int64_t i = cta; i < tasks; i += ctas) {
         const Task t = mega::compute_task(s, i);
         const gemm::TileCoord c = tile_of(a, s, t);
-        if (c.rows <= w * 64) continue;  // all padding: the warpgroup signals itself
+        // Down tiles push their own output; all-padding warpgroups signal themselves.
+        if (t.kind != TaskKind::kGateUp || c.rows <= w * 64) continue;
         ptx::mbarrier_wait(&smem.staging_full[w], uses++ & 1);
-        if (t.kind == TaskKind::kGateUp)
-          gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
-        else
-          gemm::store_staging<Epilogue::kStore>(&m.y_out, smem.gemm.out[w], c, w);
+        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
         ptx::tma_store_wait_read();
         ptx::mbarrier_arrive(&smem.staging_empty[w]);
         ptx::tma_store_wait_all();
@@ -205,22 +233,27 @@ __device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, cons
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
-    RingSink sink{&smem};
+    RingSink ring{&smem};
+    PushCombineSink push{&a};
     for (int64_t i = cta; i < tasks; i += ctas) {
       const Task t = mega::compute_task(s, i);
       const gemm::TileCoord c = tile_of(a, s, t);
-      sink.counter = counter_of(a, mega::ring_slot_of_tile(s, t.m_tile),
-                                mega::signalled_counter(t.kind));
-      if (t.kind == TaskKind::kGateUp)
-        gemm::consume_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, wg - 1, sink);
-      else
-        gemm::consume_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, wg - 1, sink);
+      uint32_t* counter =
+          counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
+      if (t.kind == TaskKind::kGateUp) {
+        ring.counter = counter;
+        gemm::consume_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, wg - 1, ring);
+      } else {
+        push.counter = counter;
+        gemm::consume_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, wg - 1, push);
+      }
     }
   }
 }
 
 __global__ void __launch_bounds__(gemm::kThreads, 1)
-    forward_megakernel(const __grid_constant__ Maps maps, const ForwardMegakernelArgs a) {
+    forward_megakernel(const __grid_constant__ Maps maps,
+                       const __grid_constant__ ForwardMegakernelArgs a) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<MegaSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) /
                                             1024 * 1024);
@@ -239,8 +272,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
       ptx::mbarrier_init(&smem.staging_empty[w], 1);
     }
     ptx::mbarrier_init_fence();
-    for (const CUtensorMap* map : {&maps.x, &maps.x_rows, &maps.gate, &maps.up, &maps.h_out,
-                                   &maps.h, &maps.h_rows, &maps.down, &maps.y_out})
+    for (const CUtensorMap* map :
+         {&maps.x, &maps.x_rows, &maps.gate, &maps.up, &maps.h_out, &maps.h, &maps.h_rows,
+          &maps.down})
       ptx::prefetch_tensor_map(map);
   }
   __syncthreads();
@@ -278,8 +312,7 @@ cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& a, int32_t sm
                   encode_bf16_tensor_map(&m.h_out, a.ring_h, 2, h_dims, out_box).ok() &&
                   encode_bf16_tensor_map(&m.h, a.ring_h, 2, h_dims, rows_box).ok() &&
                   encode_bf16_tensor_map(&m.h_rows, a.ring_h, 2, h_dims, few_rows_box).ok() &&
-                  encode_bf16_tensor_map(&m.down, a.w_down, 3, dn_dims, dn_box).ok() &&
-                  encode_bf16_tensor_map(&m.y_out, a.ring_y, 2, x_dims, out_box).ok();
+                  encode_bf16_tensor_map(&m.down, a.w_down, 3, dn_dims, dn_box).ok();
   if (!ok) return cudaErrorInvalidValue;
   if (cudaError_t e = cudaFuncSetAttribute(forward_megakernel,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,

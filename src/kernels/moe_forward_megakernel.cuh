@@ -1,9 +1,11 @@
 // The fused forward megakernel: pull dispatch, gate/up GEMM + SwiGLU, down GEMM and push combine
 // in one persistent, cooperative launch whose CTAs are split into a communication partition
-// (the first comm_ctas CTAs: copy rows over NVLink) and a compute partition (the rest: the
-// warp-specialised wgmma GEMM of grouped_gemm.cuh, fed tile by tile). Routed rows live in a ring
-// of ring_tiles row tiles reused macrobatch by macrobatch; the partitions hand tiles to each other
-// only through per-slot counters in local memory (src/common/megakernel_tasks.h).
+// (the first comm_ctas CTAs: pull token rows over NVLink into the ring) and a compute partition
+// (the rest: the warp-specialised wgmma GEMM of grouped_gemm.cuh, fed tile by tile; the down
+// GEMM's epilogue pushes each output row into its owner's (token, k) slot). Routed x and h rows
+// live in a ring of ring_tiles row tiles reused macrobatch by macrobatch; the partitions hand
+// tiles to each other only through per-slot counters in local memory
+// (src/common/megakernel_tasks.h).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,8 +33,7 @@ struct ForwardMegakernelArgs {
   int32_t minibatch_tiles = 0;  // divides ring_tiles
   __nv_bfloat16* ring_x = nullptr;  // [ring_tiles * 128, H]
   __nv_bfloat16* ring_h = nullptr;  // [ring_tiles * 128, I]
-  __nv_bfloat16* ring_y = nullptr;  // [ring_tiles * 128, H]
-  uint32_t* counters = nullptr;     // [ring_tiles][4], zero before each launch
+  uint32_t* counters = nullptr;     // [ring_tiles][mega::kCounters], zero before each launch
   const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
   const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]
   const __nv_bfloat16* w_down = nullptr;  // [experts, H, I]

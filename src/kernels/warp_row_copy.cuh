@@ -32,8 +32,7 @@ __device__ __forceinline__ void for_each_routed_row(const sched::PullRow* table,
 // A row as batches of kUnroll 16-byte vectors per lane: all loads of a batch are issued before
 // its stores, and the last batch is predicated rather than copied vector by vector, so a row costs
 // ceil(vecs / (32 kUnroll)) memory round trips (NVLink latency is paid per round trip).
-// kBypassL1: load with ld.global.cg (through L2 only), for rows other SMs wrote during this kernel.
-template <int kUnroll = 4, bool kBypassL1 = false>
+template <int kUnroll = 4>
 __device__ __forceinline__ void warp_copy_row(const int4* __restrict__ src, int4* __restrict__ dst,
                                               int64_t vecs, int lane) {
   for (int64_t base = lane; base < vecs; base += 32 * kUnroll) {
@@ -41,10 +40,7 @@ __device__ __forceinline__ void warp_copy_row(const int4* __restrict__ src, int4
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + 32 * u;
-      if (i < vecs) {
-        if constexpr (kBypassL1) v[u] = __ldcg(src + i);
-        else v[u] = src[i];
-      }
+      if (i < vecs) v[u] = src[i];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)

@@ -3,7 +3,8 @@
 // in list order, a worker finishing its current task only when the task's wait targets hold, in
 // random interleavings. Proves, for many shapes (ring smaller than the table, partial minibatches,
 // more workers than tasks), that every task runs (no deadlock), every list holds each task once,
-// and every task finds in its ring slot exactly the data of its own tile (no overwrite too early).
+// every task finds in its ring slot exactly the data of its own tile (no overwrite too early),
+// and every tile's output is pushed whole.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -25,9 +26,10 @@ struct Worker {
 
 // Which tile's data each ring slot holds, per buffer; -1 = never written.
 struct RingContents {
-  std::vector<int32_t> x, h_written, y;
-  // h and y are written tile by tile in n slices: count the slices of the current tile.
+  std::vector<int32_t> x, h_written;
+  // h is written tile by tile in n slices, then read by the tile's down slices: count both.
   std::vector<int32_t> h_slices, y_slices;
+  std::vector<int32_t> pushed;  // per tile: down slices pushed to the owners
 };
 
 struct Sim {
@@ -37,12 +39,12 @@ struct Sim {
   std::mt19937 rng;
 
   explicit Sim(const TaskShape& shape, uint32_t seed) : s(shape), rng(seed) {
-    counters.assign(s.ring_tiles, {0, 0, 0, 0});
+    counters.assign(s.ring_tiles, {0, 0, 0});
     ring.x.assign(s.ring_tiles, -1);
     ring.h_written.assign(s.ring_tiles, -1);
-    ring.y.assign(s.ring_tiles, -1);
     ring.h_slices.assign(s.ring_tiles, 0);
     ring.y_slices.assign(s.ring_tiles, 0);
+    ring.pushed.assign(s.m_tiles, 0);
   }
 
   bool ready(const Task& t) const {
@@ -71,21 +73,15 @@ struct Sim {
           if (ring.h_written[slot] >= 0) ASSERT_EQ(ring.y_slices[slot], s.n_down);
           ring.h_written[slot] = t.m_tile;
           ring.h_slices[slot] = 0;
+          ring.y_slices[slot] = 0;
         }
         ++ring.h_slices[slot];
         break;
       case TaskKind::kDown:
         ASSERT_EQ(ring.h_written[slot], t.m_tile);
         ASSERT_EQ(ring.h_slices[slot], s.n_gate_up) << "DN ran before all of h was written";
-        if (ring.y[slot] != t.m_tile) {
-          ring.y[slot] = t.m_tile;
-          ring.y_slices[slot] = 0;
-        }
         ++ring.y_slices[slot];
-        break;
-      case TaskKind::kCombine:
-        ASSERT_EQ(ring.y[slot], t.m_tile);
-        ASSERT_EQ(ring.y_slices[slot], s.n_down) << "combine before all of y was written";
+        ++ring.pushed[t.m_tile];
         break;
     }
     const uint32_t add =
@@ -116,7 +112,6 @@ void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) 
   std::multiset<std::tuple<int, int32_t, int32_t>> want;
   for (int32_t m = 0; m < s.m_tiles; ++m) {
     want.insert({static_cast<int>(TaskKind::kDispatch), m, 0});
-    want.insert({static_cast<int>(TaskKind::kCombine), m, 0});
     for (int32_t n = 0; n < s.n_gate_up; ++n) want.insert({static_cast<int>(TaskKind::kGateUp), m, n});
     for (int32_t n = 0; n < s.n_down; ++n) want.insert({static_cast<int>(TaskKind::kDown), m, n});
   }
@@ -138,6 +133,7 @@ void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) 
     sim.run(w.tasks[w.next++]);
     if (testing::Test::HasFatalFailure()) return;
   }
+  for (int32_t m = 0; m < s.m_tiles; ++m) ASSERT_EQ(sim.ring.pushed[m], s.n_down) << "tile " << m;
 }
 
 TEST(MegakernelTasks, SingleRoundNoDeadlockAndOwnData) {
@@ -165,6 +161,15 @@ TEST(MegakernelTasks, EmptyTableHasNoTasks) {
   const TaskShape s{0, 4, 2, 3, 3};
   EXPECT_EQ(num_compute_tasks(s), 0);
   EXPECT_EQ(num_comm_tasks(s), 0);
+}
+
+TEST(MegakernelTasks, CommListDispatchesInTileOrder) {
+  const TaskShape s{7, 2, 1, 1, 1};
+  ASSERT_EQ(num_comm_tasks(s), 7);
+  for (int64_t t = 0; t < 7; ++t) {
+    EXPECT_EQ(comm_task(s, t).kind, TaskKind::kDispatch);
+    EXPECT_EQ(comm_task(s, t).m_tile, t);
+  }
 }
 
 TEST(MegakernelTasks, ComputeListLagsDownGemmByOneMinibatch) {

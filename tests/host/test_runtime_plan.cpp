@@ -33,7 +33,7 @@ TEST(RuntimePlan, AutomaticDefaultsOnH200) {
   EXPECT_EQ(p.compute_sms, 132 - kDefaultCommSms);
   EXPECT_EQ(p.minibatch_rows % p.tile.m, 0);
   EXPECT_EQ(p.ring_rows, kDefaultRingMinibatches * p.minibatch_rows);
-  EXPECT_EQ(p.ring_bytes, p.ring_rows * (2 * 7168 + 2048) * 2);
+  EXPECT_EQ(p.ring_bytes, p.ring_rows * (7168 + 2048) * 2);
   EXPECT_EQ(p.max_routed_rows, 2 * 8192 * 8 + 32 * 127);
 }
 
