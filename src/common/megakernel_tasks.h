@@ -18,13 +18,14 @@
 //          y_done  >= round * 2 * n_down           (the previous round's DN finished reading h)
 //   DN(m): h_done  >= (round + 1) * 2 * n_gate_up
 //
-// Order. Each partition's CTAs take their tasks round-robin from one list, each CTA in list
-// order. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
+// Order. Comm CTAs take the comm list round-robin, each in list order; compute CTAs claim
+// compute tasks one at a time, in list order, from one counter. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
 // GU of minibatch j + 1 followed by DN of minibatch j (row tile fastest inside each, so
 // concurrent CTAs share weight tiles through L2), then DN of the last; without the lag (GU(j),
 // DN(j), ...) when the ring holds a single minibatch. Comm list: D(0), D(1), ... in tile order.
 // Both lists are consistent with one global order in which every task comes after all tasks it
-// waits for (docs/ARCHITECTURE.md), so the earliest unfinished task can always run: no deadlock.
+// waits for (docs/ARCHITECTURE.md), and tasks are taken in list order, so the earliest
+// unfinished task has always been taken by a CTA that can run it: no deadlock.
 #pragma once
 
 #include <cstdint>

@@ -118,7 +118,11 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, const CUtensorMap* map_a,
                                              const CUtensorMap* map_a_rows,
-                                             const CUtensorMap* map_b0, const CUtensorMap* map_b1) {
+                                             const CUtensorMap* map_b0, const CUtensorMap* map_b1,
+                                             int64_t* stage_task = nullptr,
+                                             int64_t task_id = 0) {
+  // stage_task (a megakernel's dynamic schedule): the task id is written next to the tile's
+  // first stage, for the consumers to read once that stage is full.
   // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
   // sizes) loads only whole 16-row boxes covering them: the rest of the A stage keeps stale
   // data, which only feeds output rows that are padding (never read: combine skips them).
@@ -128,6 +132,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
   const uint32_t bytes = a_bytes + kBlockNMma * kBlockK * 2;
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
+    if (stage_task && kb == 0) stage_task[ps.stage] = task_id;
     uint64_t* full = &s.full[ps.stage];
     ptx::mbarrier_arrive_expect_tx(full, bytes);
     if (full_rows) {

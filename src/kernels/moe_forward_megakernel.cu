@@ -33,6 +33,10 @@ struct alignas(1024) MegaSmem {
   // Consumer warpgroup w -> its store thread: "staging w holds a tile" / "staging w is free".
   uint64_t staging_full[2];
   uint64_t staging_empty[2];
+  // The dynamic schedule: the compute task of the tile whose first stage is stage i (-1: no
+  // more tasks), and the gate/up task whose output staging w holds (-1: stop).
+  int64_t stage_task[kStages];
+  int64_t staged_task[2];
 };
 
 // Gate/up tiles: the consumers' epilogue output goes to a store thread of the producer
@@ -45,24 +49,30 @@ struct RingSink {
   static constexpr bool kDirect = false;
   MegaSmem* s;
   uint32_t* counter = nullptr;  // the current tile's counter
+  int64_t task = 0;             // the current tile's task
   uint32_t uses = 0;
   __device__ void acquire(int wg, int) {
     ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
     ++uses;
   }
   __device__ void publish(int wg, int tid, const uint8_t*, const gemm::TileCoord&) {
-    if (tid == 0) ptx::mbarrier_arrive(&s->staging_full[wg]);
+    if (tid == 0) {
+      s->staged_task[wg] = task;
+      ptx::mbarrier_arrive(&s->staging_full[wg]);
+    }
   }
   __device__ void skip(int, int tid) {
     if (tid == 0) ptx::signal_counter(counter);
   }
 };
 
-// Down tiles: push combine in the epilogue. Each thread writes its two rows' 128 columns as
-// bf16 pairs straight from the accumulators into the owners' (token, k) combine slots (local
-// HBM or a peer over NVLink; no atomics: every slot has one writer), skipping padding rows and
-// columns past H. The tile's counter only says its h rows were read (all its stages arrived),
-// so the warpgroup signals as soon as its own writes are issued.
+// Down tiles: push combine in the epilogue, straight from the accumulators into the owners'
+// (token, k) combine slots (local HBM or a peer over NVLink; no atomics: every slot has one
+// writer), skipping padding rows and columns past H. NOTES: a thread holds columns 8j + 2q, +1
+// of its two rows; the four lanes of a quad swap pairs so that each lane stores 16 bytes (8
+// columns) and a quad 64 contiguous bytes of a row: whole 32-byte sectors, a quarter of the
+// stores of writing bf16 pairs. The tile's counter only says its h rows were read (all its
+// stages arrived), so the warpgroup signals as soon as its writes are issued.
 struct PushCombineSink {
   static constexpr bool kDirect = true;
   const ForwardMegakernelArgs* a;
@@ -70,6 +80,7 @@ struct PushCombineSink {
   char* dst[2] = {nullptr, nullptr};  // the thread's rows in their combine slots at this n tile
   int32_t cols = 0;                   // columns of this n tile inside H
   int32_t q = 0;
+  uint32_t pairs[2][4];  // bf16 pairs of blocks j = 4i .. 4i+3, per row half
   __device__ void begin(const gemm::TileCoord& c, int wg, int tid) {
     const int warp = tid / 32, g = tid % 32 / 4;
     q = tid % 4;
@@ -85,10 +96,33 @@ struct PushCombineSink {
       }
     }
   }
-  __device__ void write(int j, int half, float v0, float v1) {
-    const int col = 8 * j + 2 * q;
-    if (dst[half] && col < cols)
-      *reinterpret_cast<__nv_bfloat162*>(dst[half] + col * 2) = __floats2bfloat162_rn(v0, v1);
+  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
+  __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+    pairs[half][j % 4] = *reinterpret_cast<const uint32_t*>(&v);
+    if (j % 4 != 3 || half != 1) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Lane q ends up with block 4i + q: from lane q ^ r, the pair at position q ^ r.
+      uint32_t out[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int want = q ^ r;  // the block lane q ^ r needs from this lane
+        const uint32_t send = want == 0 ? pairs[h][0]
+                              : want == 1 ? pairs[h][1]
+                              : want == 2 ? pairs[h][2]
+                                          : pairs[h][3];
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, send, r);
+        // `got` is lane (q ^ r)'s pair of block 4i + q: columns 2 (q ^ r), +1 of the block.
+        out[0] = (q ^ r) == 0 ? got : out[0];
+        out[1] = (q ^ r) == 1 ? got : out[1];
+        out[2] = (q ^ r) == 2 ? got : out[2];
+        out[3] = (q ^ r) == 3 ? got : out[3];
+      }
+      const int col = 8 * (j - 3 + q);
+      if (dst[h] && col < cols)
+        *reinterpret_cast<uint4*>(dst[h] + col * 2) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
   }
   __device__ void end(int, int tid) {
     if (tid == 0) ptx::signal_counter(counter);
@@ -189,40 +223,50 @@ __device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
 }
 
 // Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
-// warpgroups), walking the compute list; two threads of the producer warpgroup store the
-// consumers' gate/up output tiles and signal them.
+// warpgroups); two threads of the producer warpgroup store the consumers' gate/up output tiles
+// and signal them. NOTES: the producer claims compute tasks in list order from one counter
+// (dynamic, not round-robin), so tasks next to each other in the list (the row tiles sharing a
+// weight tile) start together on different SMs and share that weight tile through L2; with a
+// static split, CTAs drift apart (gate/up and down tiles differ 3.5x in length, waits differ)
+// and each re-reads weights from HBM. Claiming in list order keeps the no-deadlock argument.
 __device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, const TaskShape& s,
                              MegaSmem& smem) {
   const int wg = threadIdx.x / 128;
-  const int32_t cta = blockIdx.x - a.comm_ctas, ctas = gridDim.x - a.comm_ctas;
   const int64_t tasks = mega::num_compute_tasks(s);
   const int32_t k_gate_up = a.hidden / gemm::kBlockK, k_down = a.intermediate / gemm::kBlockK;
+  volatile int64_t* stage_task = smem.stage_task;
   gemm::PipelineState<kStages> ps;
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0) {
-      for (int64_t i = cta; i < tasks; i += ctas) {
+      uint32_t* next_task = a.counters + mega::kCounters * a.ring_tiles;
+      for (;;) {
+        const int64_t i = atomicAdd(next_task, 1u);
+        if (i >= tasks) break;
         const Task t = mega::compute_task(s, i);
         const gemm::TileCoord c = tile_of(a, s, t);
         wait_for_task(a, s, t, "compute");
         cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what we waited for
         if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.x, &m.x_rows,
-                                                &m.gate, &m.up);
+                                                &m.gate, &m.up, smem.stage_task, i);
         else
           gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
-                                               &m.down);
+                                               &m.down, smem.stage_task, i);
       }
+      // The next stage tells the consumers there is nothing more (no data: a plain arrival).
+      ptx::mbarrier_wait(&smem.gemm.empty[ps.stage], ps.phase ^ 1);
+      stage_task[ps.stage] = -1;
+      ptx::mbarrier_arrive(&smem.gemm.full[ps.stage]);
     } else if (threadIdx.x == 32 || threadIdx.x == 64) {
       const int w = threadIdx.x / 32 - 1;  // the consumer warpgroup this thread stores for
-      uint32_t uses = 0;
-      for (int64_t i = cta; i < tasks; i += ctas) {
+      volatile int64_t* staged_task = smem.staged_task;
+      for (uint32_t uses = 0;; ++uses) {
+        ptx::mbarrier_wait(&smem.staging_full[w], uses & 1);
+        const int64_t i = staged_task[w];
+        if (i < 0) break;
         const Task t = mega::compute_task(s, i);
-        const gemm::TileCoord c = tile_of(a, s, t);
-        // Down tiles push their own output; all-padding warpgroups signal themselves.
-        if (t.kind != TaskKind::kGateUp || c.rows <= w * 64) continue;
-        ptx::mbarrier_wait(&smem.staging_full[w], uses++ & 1);
-        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
+        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], tile_of(a, s, t), w);
         ptx::tma_store_wait_read();
         ptx::mbarrier_arrive(&smem.staging_empty[w]);
         ptx::tma_store_wait_all();
@@ -233,20 +277,31 @@ __device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, cons
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
+    const int tid = threadIdx.x % 128;
     RingSink ring{&smem};
     PushCombineSink push{&a};
-    for (int64_t i = cta; i < tasks; i += ctas) {
+    for (;;) {
+      ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
+      const int64_t i = stage_task[ps.stage];
+      if (i < 0) break;
       const Task t = mega::compute_task(s, i);
       const gemm::TileCoord c = tile_of(a, s, t);
       uint32_t* counter =
           counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
       if (t.kind == TaskKind::kGateUp) {
         ring.counter = counter;
+        ring.task = i;
         gemm::consume_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, wg - 1, ring);
       } else {
         push.counter = counter;
         gemm::consume_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, wg - 1, push);
       }
+    }
+    // Stop this warpgroup's store thread (through its staging handshake, phases kept).
+    ring.acquire(wg - 1, tid);
+    if (tid == 0) {
+      smem.staged_task[wg - 1] = -1;
+      ptx::mbarrier_arrive(&smem.staging_full[wg - 1]);
     }
   }
 }
@@ -286,7 +341,8 @@ constexpr size_t kSmemBytes = sizeof(MegaSmem) + 1024;  // + alignment slack
 }  // namespace
 
 size_t forward_megakernel_counter_bytes(int32_t ring_tiles) {
-  return sizeof(uint32_t) * mega::kCounters * static_cast<size_t>(ring_tiles);
+  // The slots' counters, then the compute partition's task claim counter.
+  return sizeof(uint32_t) * (mega::kCounters * static_cast<size_t>(ring_tiles) + 1);
 }
 
 cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& a, int32_t sm_count,

@@ -33,7 +33,7 @@ struct ForwardMegakernelArgs {
   int32_t minibatch_tiles = 0;  // divides ring_tiles
   __nv_bfloat16* ring_x = nullptr;  // [ring_tiles * 128, H]
   __nv_bfloat16* ring_h = nullptr;  // [ring_tiles * 128, I]
-  uint32_t* counters = nullptr;     // [ring_tiles][mega::kCounters], zero before each launch
+  uint32_t* counters = nullptr;  // forward_megakernel_counter_bytes, zero before each launch
   const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
   const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]
   const __nv_bfloat16* w_down = nullptr;  // [experts, H, I]

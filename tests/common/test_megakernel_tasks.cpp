@@ -1,7 +1,7 @@
 // The forward megakernel's task lists and counter protocol (src/common/megakernel_tasks.h),
-// simulated on the CPU: P comm workers and Q compute workers take their lists round-robin, each
-// in list order, a worker finishing its current task only when the task's wait targets hold, in
-// random interleavings. Proves, for many shapes (ring smaller than the table, partial minibatches,
+// simulated on the CPU: P comm workers take the comm list round-robin, each in list order, Q
+// compute workers claim compute tasks one at a time in list order, a worker finishing its
+// current task only when the task's wait targets hold, in random interleavings. Proves, for many shapes (ring smaller than the table, partial minibatches,
 // more workers than tasks), that every task runs (no deadlock), every list holds each task once,
 // every task finds in its ring slot exactly the data of its own tile (no overwrite too early),
 // and every tile's output is pushed whole.
@@ -97,18 +97,22 @@ std::vector<Worker> deal(int64_t n, int32_t workers, Task (*task)(const TaskShap
   return w;
 }
 
+// Comm workers take the comm list round-robin (static), compute workers claim compute tasks one
+// at a time in list order from a shared counter (dynamic), as the kernel does.
 void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) {
   SCOPED_TRACE(testing::Message() << "m_tiles " << s.m_tiles << " ring " << s.ring_tiles
                                   << " minibatch " << s.minibatch_tiles << " n " << s.n_gate_up
                                   << "/" << s.n_down << " workers " << comm << "+" << compute
                                   << " seed " << seed);
   std::vector<Worker> workers = deal(num_comm_tasks(s), comm, comm_task, s);
-  for (Worker& w : deal(num_compute_tasks(s), compute, compute_task, s)) workers.push_back(w);
+  std::vector<Task> compute_list;
+  for (int64_t t = 0; t < num_compute_tasks(s); ++t) compute_list.push_back(compute_task(s, t));
 
-  // Each list holds every task exactly once.
+  // The lists hold every task exactly once.
   std::multiset<std::tuple<int, int32_t, int32_t>> seen;
   for (const Worker& w : workers)
     for (const Task& t : w.tasks) seen.insert({static_cast<int>(t.kind), t.m_tile, t.n_tile});
+  for (const Task& t : compute_list) seen.insert({static_cast<int>(t.kind), t.m_tile, t.n_tile});
   std::multiset<std::tuple<int, int32_t, int32_t>> want;
   for (int32_t m = 0; m < s.m_tiles; ++m) {
     want.insert({static_cast<int>(TaskKind::kDispatch), m, 0});
@@ -118,19 +122,38 @@ void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) 
   ASSERT_EQ(seen, want);
 
   Sim sim(s, seed);
+  size_t next_compute = 0;
+  std::vector<int64_t> claimed(compute, -1);  // compute worker -> its claimed task, -1: idle
   for (;;) {
-    std::vector<size_t> runnable;
-    bool left = false;
+    // Moves: a comm worker finishing its ready task, an idle compute worker claiming the next
+    // task, a compute worker finishing its ready claimed task.
+    std::vector<std::pair<int, size_t>> moves;  // (0 comm / 1 claim / 2 compute, worker)
+    bool left = next_compute < compute_list.size();
     for (size_t i = 0; i < workers.size(); ++i) {
       const Worker& w = workers[i];
       if (w.next == w.tasks.size()) continue;
       left = true;
-      if (sim.ready(w.tasks[w.next])) runnable.push_back(i);
+      if (sim.ready(w.tasks[w.next])) moves.push_back({0, i});
+    }
+    for (size_t i = 0; i < claimed.size(); ++i) {
+      if (claimed[i] < 0) {
+        if (next_compute < compute_list.size()) moves.push_back({1, i});
+      } else {
+        left = true;
+        if (sim.ready(compute_list[claimed[i]])) moves.push_back({2, i});
+      }
     }
     if (!left) break;
-    ASSERT_FALSE(runnable.empty()) << "deadlock: no worker can finish its current task";
-    Worker& w = workers[runnable[sim.rng() % runnable.size()]];
-    sim.run(w.tasks[w.next++]);
+    ASSERT_FALSE(moves.empty()) << "deadlock: no worker can finish its current task";
+    const auto [kind, i] = moves[sim.rng() % moves.size()];
+    if (kind == 0) {
+      sim.run(workers[i].tasks[workers[i].next++]);
+    } else if (kind == 1) {
+      claimed[i] = static_cast<int64_t>(next_compute++);
+    } else {
+      sim.run(compute_list[claimed[i]]);
+      claimed[i] = -1;
+    }
     if (testing::Test::HasFatalFailure()) return;
   }
   for (int32_t m = 0; m < s.m_tiles; ++m) ASSERT_EQ(sim.ring.pushed[m], s.n_down) << "tile " << m;
