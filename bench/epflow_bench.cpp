@@ -30,6 +30,7 @@
 #include "host/layer_internals.h"
 #include "host/status_util.h"
 #include "presets.h"
+#include "rooflines.h"
 #include "reference/reference_layer.h"
 #include "reference/synthetic.h"
 
@@ -536,8 +537,14 @@ const RankResult& slowest(const std::vector<RankResult>& results) {
 
 // One system's run object: time and rate of the layer and its stages (the slowest rank's), the
 // NVLink traffic (a property of the routing, the same for every system), the check if one ran.
+// Bytes of this rank's expert weights (gate, up, down; bf16): what a decode-size call streams.
+double weight_bytes(const LayerConfig& c) {
+  return 3.0 * c.experts_per_rank() * c.hidden * c.intermediate * 2;
+}
+
 std::string run_json(const char* system, const bench::Preset& p, int64_t T, const LayerConfig& c,
-                     const RankResult& slow, const Check& check, const Variant* variant) {
+                     const RankResult& slow, const Check& check, const Variant* variant,
+                     const bench::Rooflines* roof = nullptr) {
   const double flops = forward_flops(c, slow.routed_slots);
   const double ffn_flops = forward_flops(c, slow.rows_received);
   const double row_bytes = 2.0 * c.hidden;
@@ -558,6 +565,15 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
          << ", \"minibatch_rows\": " << slow.plan.minibatch_rows
          << ", \"ring_rows\": " << slow.plan.ring_rows
          << ", \"ring_bytes\": " << slow.plan.ring_bytes;
+  }
+  if (roof) {
+    const double stream_us = weight_bytes(c) / (roof->hbm_copy_gbs * 1e3);
+    js << ", \"cublas_dense_tflops\": " << json_num(roof->dense_tflops)
+       << ", \"layer_vs_cublas_dense\": "
+       << json_num(flops / slow.total_us * 1e-6 / roof->dense_tflops)
+       << ", \"hbm_copy_gbs\": " << json_num(roof->hbm_copy_gbs)
+       << ", \"weight_stream_us\": " << json_num(stream_us)
+       << ", \"layer_vs_weight_stream\": " << json_num(slow.total_us / stream_us);
   }
   if (!check.against.empty())
     js << ", \"check\": \"" << check.verdict() << "\", \"check_against\": \"" << check.against
@@ -718,6 +734,23 @@ int run_gpu(const Options& o, int devices) {
       // The slowest rank sets the layer's time; report it, per stage too.
       const RankResult& slow = slowest(variant_results[0]);
       print_epflow(*p, T, c, slow);
+      // Yardsticks from this run, on GPU 0 with nothing else running: cuBLAS dense bf16 on the
+      // same rows and the HBM copy rate (weights streamed at decode sizes).
+      bench::Rooflines roof;
+      const bool have_roof = !o.check && cudaSetDevice(0) == cudaSuccess &&
+                             bench::measure_rooflines(std::max<int64_t>(slow.rows_received, 128),
+                                                      c.hidden, c.intermediate, 10, &roof)
+                                 .ok();
+      if (have_roof) {
+        const double stream_us = weight_bytes(c) / (roof.hbm_copy_gbs * 1e3);
+        std::printf("  yardsticks: cuBLAS dense bf16 on the same rows %.1f TFLOP/s (layer at "
+                    "%.0f%%); weights %.2f GB stream in %.1f us at the HBM copy rate %.0f GB/s "
+                    "(layer = %.2fx that)\n",
+                    roof.dense_tflops,
+                    100.0 * forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6 /
+                        roof.dense_tflops,
+                    weight_bytes(c) * 1e-9, stream_us, roof.hbm_copy_gbs, slow.total_us / stream_us);
+      }
       std::printf("  %-26s %10s %12s %14s  %s\n", "system", "us", "TFLOP/s/GPU",
                   "EPFlow speedup", "check");
       for (size_t v = 0; v < variants.size(); ++v) {
@@ -730,7 +763,8 @@ int run_gpu(const Options& o, int devices) {
           std::snprintf(label, sizeof label, "%s", variants[v].system);
         print_system(label, c, vs, v == 0 ? nullptr : &slow, variant_check[v], checked.size());
         json << (first ? "" : ",") << "\n    "
-             << run_json(variants[v].system, *p, T, c, vs, variant_check[v], &variants[v]);
+             << run_json(variants[v].system, *p, T, c, vs, variant_check[v], &variants[v],
+                         v == 0 && have_roof ? &roof : nullptr);
         first = false;
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
       }

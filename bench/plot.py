@@ -3,6 +3,8 @@
 merged file) as one PNG: a subplot per (preset, EP), TFLOP/s per GPU against tokens per rank
 (log2 axis), a line per (system, direction).
 
+Results with a knob sweep (epflow-bench --comm-sms / --minibatch-rows) also get PLOT_sweep.png.
+
 Usage: bench/plot.py RESULT.json [RESULT.json ...] --out PLOT.png"""
 from __future__ import annotations
 
@@ -64,6 +66,40 @@ def plot(runs: list[dict], title: str, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_sweep(runs: list[dict], title: str, out: Path) -> None:
+    """The megakernel's knob sweep: a subplot per (preset, tokens, EP), TFLOP/s per GPU against
+    communication SMs, a line per minibatch size; the automatic default as a star."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = [r for r in runs if r["system"] == "epflow-sweep"]
+    panels = sorted({(r["preset"], r["tokens"], r["ep"]) for r in sweep})
+    fig, axes = plt.subplots(1, len(panels), squeeze=False, figsize=(4.5 * len(panels), 3.8))
+    for ax, (preset, tokens, ep) in zip(axes[0], panels, strict=True):
+        mine = [r for r in sweep if (r["preset"], r["tokens"], r["ep"]) == (preset, tokens, ep)]
+        for mb in sorted({r["minibatch_rows"] for r in mine}):
+            pts = sorted((r["comm_sms"], r["layer_tflops_per_gpu"]) for r in mine
+                         if r["minibatch_rows"] == mb)
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o",
+                    label=f"minibatch {mb} rows")
+        for d in runs:
+            if (d["system"], d["direction"], d["preset"], d["tokens"], d["ep"]) == \
+                    ("epflow", "fwd", preset, tokens, ep) and "comm_sms" in d:
+                ax.plot([d["comm_sms"]], [d["layer_tflops_per_gpu"]], marker="*", markersize=14,
+                        color="black", linestyle="none",
+                        label=f"default ({d['comm_sms']} SMs, {d['minibatch_rows']} rows)")
+        ax.set_title(f"{preset}, {tokens} tokens/rank, EP={ep}", fontsize=10)
+        ax.set_xlabel("communication SMs")
+        ax.set_ylabel("TFLOP/s per GPU")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def title_of(docs: list[dict]) -> str:
     """Device, date and commit of the results (a merged file records its date; others: today)."""
     device = " / ".join(dict.fromkeys(d["device"] for d in docs))
@@ -82,7 +118,12 @@ def main() -> int:
     docs = [d for d in docs if d.get("kind") != "gemm"]
     if not docs:
         sys.exit("plot.py: no layer results")
-    plot(layer_runs(docs), title_of(docs), args.out)
+    runs = layer_runs(docs)
+    plot(runs, title_of(docs), args.out)
+    if any(r["system"] == "epflow-sweep" for r in runs):
+        sweep_png = args.out.with_name(args.out.stem + "_sweep.png")
+        plot_sweep(runs, title_of(docs) + ": megakernel knobs", sweep_png)
+        print(f"sweep plot: {sweep_png}")
     return 0
 
 

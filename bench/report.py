@@ -25,9 +25,10 @@ def render_fused(docs):
     """EPFlow's fused forward per stage: the megakernel is one stage (dispatch, expert FFN and
     combine overlapped inside it); its TFLOP/s count the rows this GPU's experts computed."""
     print("| preset | tokens/rank | EP | layer µs | layer TFLOP/s/GPU | metadata+schedule µs "
-          "| megakernel µs (expert TFLOP/s, NVLink GB/s) | barrier+sum µs | comm/compute SMs "
-          "| minibatch rows | ring rows (MB) | device | commit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| megakernel µs (expert TFLOP/s, NVLink GB/s) | barrier+sum µs | comm SMs "
+          "| minibatch rows | ring rows (MB) | layer / cuBLAS dense | layer / weight stream "
+          "| device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for doc in docs:
         for r in doc["runs"]:
             mk = r["stage_us_1"] + r["stage_us_2"]
@@ -38,7 +39,19 @@ def render_fused(docs):
                   f"| {r['stage_us_0']:.0f} | {mk:.0f} ({ffn:.0f}, {nvlink / mk * 1e-3:.0f}) "
                   f"| {r['stage_us_3']:.0f} | {r['comm_sms']} | {r['minibatch_rows']} "
                   f"| {r['ring_rows']} ({r['ring_bytes'] * 1e-6:.0f}) "
+                  f"| {pct(r.get('layer_vs_cublas_dense'), r.get('cublas_dense_tflops'))} "
+                  f"| {times(r.get('layer_vs_weight_stream'), r.get('weight_stream_us'))} "
                   f"| {doc['device']} | {doc['commit']} |")
+
+
+def pct(ratio, dense):
+    """The layer's rate as a share of cuBLAS dense bf16 on the same rows (same run)."""
+    return "n/a" if ratio is None else f"{100 * ratio:.0f}% of {dense:.0f} TFLOP/s"
+
+
+def times(ratio, stream_us):
+    """The layer's time as a multiple of streaming the local weights at the HBM copy rate."""
+    return "n/a" if ratio is None else f"{ratio:.2f}x of {stream_us:.0f} µs"
 
 
 def render_sweep(runs):

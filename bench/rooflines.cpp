@@ -1,0 +1,105 @@
+#include "rooflines.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "host/status_util.h"
+
+namespace epflow::bench {
+
+namespace {
+
+Status cuda(cudaError_t e, const char* what) {
+  return e == cudaSuccess ? Status::ok_status()
+                          : error_status(StatusCode::kCudaError, what, ": ", cudaGetErrorString(e));
+}
+
+// Median milliseconds of `iters` runs of fn on `stream`, after 3 untimed ones.
+template <typename Fn>
+Status median_ms(cudaStream_t stream, int iters, Fn fn, double* out) {
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) EPFLOW_RETURN_IF_ERROR(cuda(cudaEventCreate(&e), "cudaEventCreate"));
+  Status s = Status::ok_status();
+  for (int i = 0; i < 3 && s.ok(); ++i) s = fn();
+  for (int i = 0; i < iters && s.ok(); ++i) {
+    s = cuda(cudaEventRecord(ev[2 * i], stream), "cudaEventRecord");
+    if (s.ok()) s = fn();
+    if (s.ok()) s = cuda(cudaEventRecord(ev[2 * i + 1], stream), "cudaEventRecord");
+  }
+  if (s.ok()) s = cuda(cudaStreamSynchronize(stream), "rooflines");
+  std::vector<double> ms;
+  for (int i = 0; i < iters && s.ok(); ++i) {
+    float v = 0;
+    s = cuda(cudaEventElapsedTime(&v, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
+    ms.push_back(v);
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  if (!s.ok()) return s;
+  std::sort(ms.begin(), ms.end());
+  *out = ms[ms.size() / 2];
+  return Status::ok_status();
+}
+
+}  // namespace
+
+Status measure_rooflines(int64_t rows, int64_t H, int64_t I, int iters, Rooflines* out) {
+  constexpr size_t kCopyBytes = size_t{2} << 30;
+  cudaStream_t stream = nullptr;
+  EPFLOW_RETURN_IF_ERROR(cuda(cudaStreamCreate(&stream), "cudaStreamCreate"));
+  cublasHandle_t h = nullptr;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+    cudaStreamDestroy(stream);
+    return error_status(StatusCode::kCudaError, "cublasCreate failed");
+  }
+  cublasSetStream(h, stream);
+  // x [rows, H], w_gu [2I, H], h [rows, 2I] (SwiGLU reads half of it), w_down [H, I], y [rows, H].
+  const size_t elems = rows * H + 2 * I * H + rows * 2 * I + H * I + rows * H;
+  void* buf = nullptr;
+  void *src = nullptr, *dst = nullptr;
+  Status s = cuda(cudaMalloc(&buf, elems * 2), "cudaMalloc (dense GEMM operands)");
+  if (s.ok()) s = cuda(cudaMalloc(&src, kCopyBytes), "cudaMalloc (copy source)");
+  if (s.ok()) s = cuda(cudaMalloc(&dst, kCopyBytes), "cudaMalloc (copy destination)");
+  if (s.ok()) s = cuda(cudaMemsetAsync(buf, 0x3c, elems * 2, stream), "cudaMemsetAsync");
+  if (s.ok()) s = cuda(cudaMemsetAsync(src, 1, kCopyBytes, stream), "cudaMemsetAsync");
+  auto* x = static_cast<__nv_bfloat16*>(buf);
+  auto* w_gu = x + rows * H;
+  auto* hid = w_gu + 2 * I * H;
+  auto* w_down = hid + rows * 2 * I;
+  auto* y = w_down + H * I;
+  const float one = 1.0f, zero = 0.0f;
+  // out[rows, N] = in[rows, K] * w[N, K]^T (row-major), as cuBLAS's column-major w^T * in.
+  auto gemm = [&](const void* in, const void* w, void* o, int64_t N, int64_t K) {
+    return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(rows),
+                        static_cast<int>(K), &one, w, CUDA_R_16BF, static_cast<int>(K), in,
+                        CUDA_R_16BF, static_cast<int>(K), &zero, o, CUDA_R_16BF,
+                        static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  };
+  double ffn_ms = 0, copy_ms = 0;
+  if (s.ok())
+    s = median_ms(stream, iters, [&] {
+      if (gemm(x, w_gu, hid, 2 * I, H) != CUBLAS_STATUS_SUCCESS ||
+          gemm(hid, w_down, y, H, I) != CUBLAS_STATUS_SUCCESS)
+        return error_status(StatusCode::kCudaError, "cublasGemmEx failed");
+      return Status::ok_status();
+    }, &ffn_ms);
+  if (s.ok())
+    s = median_ms(stream, iters, [&] {
+      return cuda(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream),
+                  "cudaMemcpyAsync (HBM copy)");
+    }, &copy_ms);
+  if (s.ok()) {
+    out->dense_tflops = 6.0 * rows * H * I / (ffn_ms * 1e-3) * 1e-12;
+    out->hbm_copy_gbs = 2.0 * kCopyBytes / (copy_ms * 1e-3) * 1e-9;
+  }
+  cudaFree(buf);
+  cudaFree(src);
+  cudaFree(dst);
+  cublasDestroy(h);
+  cudaStreamDestroy(stream);
+  return s;
+}
+
+}  // namespace epflow::bench
