@@ -103,6 +103,9 @@ struct Layer::Impl {
   __nv_bfloat16* ring_h = nullptr;
   uint32_t* ring_counters = nullptr;
   size_t ring_counter_bytes = 0;
+  // Host-mapped: where a timed-out wait inside the megakernel says who waited for what.
+  kernels::MegakernelDiagnostic* diagnostic = nullptr;
+  kernels::MegakernelDiagnostic* diagnostic_device = nullptr;
 
   // The unfused chain's buffers, [max_rows, H | I | H], allocated on request only.
   bool unfused = false;
@@ -115,6 +118,7 @@ struct Layer::Impl {
   MemoryReport memory;
 
   ~Impl() {
+    if (diagnostic) cudaFreeHost(diagnostic);
     if (local) cudaFree(local);
     if (unfused_buffers) cudaFree(unfused_buffers);
     window.destroy();
@@ -172,6 +176,11 @@ Status Layer::Impl::allocate() {
   EPFLOW_CUDA_RETURN(
       cudaMemcpy(peer_topk_idx, idx.data(), sizeof(void*) * c.ep_size, cudaMemcpyHostToDevice));
   EPFLOW_CUDA_RETURN(cudaMemset(epoch, 0, sizeof(uint64_t)));
+  EPFLOW_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&diagnostic),
+                                   sizeof(kernels::MegakernelDiagnostic), cudaHostAllocMapped));
+  *diagnostic = kernels::MegakernelDiagnostic{};
+  EPFLOW_CUDA_RETURN(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&diagnostic_device), diagnostic, 0));
   EPFLOW_CUDA_RETURN(cudaMemset(static_cast<char*>(window.local()) + layout.flags, 0,
                                 sizeof(uint64_t) * Limits::kMaxEpSize));
   EPFLOW_CUDA_RETURN(cudaDeviceSynchronize());
@@ -231,6 +240,7 @@ Status Layer::Impl::run_megakernel(const ForwardArgs& a, cudaStream_t stream) {
   m.comm_ctas = plan.comm_sms;
   m.rank = c.ep_rank;
   m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
+  m.diagnostic = diagnostic_device;
   EPFLOW_CUDA_RETURN(kernels::launch_forward_megakernel(m, sm_count, stream));
   return Status::ok_status();
 }
@@ -290,6 +300,11 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
   const LayerConfig& c = config;
   const int64_t T = a.num_tokens;
   char* mine = static_cast<char*>(window.local());
+  // A wait of an earlier call that timed out trapped its kernel (the CUDA context is gone); say
+  // where, read from host-mapped memory without touching the device.
+  if (diagnostic->set)
+    return error_status(StatusCode::kTimeout, "an earlier forward failed on the device: ",
+                        kernels::describe(*diagnostic));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::start));
   if (T > 0) {
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.x, a.x, sizeof(__nv_bfloat16) * T * c.hidden,

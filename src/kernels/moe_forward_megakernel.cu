@@ -3,6 +3,7 @@
 #include <cuda.h>
 
 #include <cstdio>
+#include <string>
 
 #include "common/megakernel_tasks.h"
 #include "kernels/grouped_gemm.cuh"
@@ -51,17 +52,17 @@ struct RingSink {
   uint32_t* counter = nullptr;  // the current tile's counter
   int64_t task = 0;             // the current tile's task
   uint32_t uses = 0;
-  __device__ void acquire(int wg, int) {
+  __device__ __forceinline__ void acquire(int wg, int) {
     ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
     ++uses;
   }
-  __device__ void publish(int wg, int tid, const uint8_t*, const gemm::TileCoord&) {
+  __device__ __forceinline__ void publish(int wg, int tid, const uint8_t*, const gemm::TileCoord&) {
     if (tid == 0) {
       s->staged_task[wg] = task;
       ptx::mbarrier_arrive(&s->staging_full[wg]);
     }
   }
-  __device__ void skip(int, int tid) {
+  __device__ __forceinline__ void skip(int, int tid) {
     if (tid == 0) ptx::signal_counter(counter);
   }
 };
@@ -81,7 +82,7 @@ struct PushCombineSink {
   int32_t cols = 0;                   // columns of this n tile inside H
   int32_t q = 0;
   uint32_t pairs[2][4];  // bf16 pairs of blocks j = 4i .. 4i+3, per row half
-  __device__ void begin(const gemm::TileCoord& c, int wg, int tid) {
+  __device__ __forceinline__ void begin(const gemm::TileCoord& c, int wg, int tid) {
     const int warp = tid / 32, g = tid % 32 / 4;
     q = tid % 4;
     cols = a->hidden - c.n_tile * gemm::kBlockNMma;
@@ -124,10 +125,10 @@ struct PushCombineSink {
         *reinterpret_cast<uint4*>(dst[h] + col * 2) = make_uint4(out[0], out[1], out[2], out[3]);
     }
   }
-  __device__ void end(int, int tid) {
+  __device__ __forceinline__ void end(int, int tid) {
     if (tid == 0) ptx::signal_counter(counter);
   }
-  __device__ void skip(int, int tid) {
+  __device__ __forceinline__ void skip(int, int tid) {
     if (tid == 0) ptx::signal_counter(counter);
   }
 };
@@ -140,7 +141,7 @@ struct Maps {
   CUtensorMap down;        // [E, H, I], 256-row boxes
 };
 
-__device__ TaskShape task_shape(const ForwardMegakernelArgs& a) {
+__device__ __forceinline__ TaskShape task_shape(const ForwardMegakernelArgs& a) {
   TaskShape s;
   s.m_tiles = static_cast<int32_t>(a.seg_offset[a.experts] / kBlockM);
   s.ring_tiles = a.ring_tiles;
@@ -153,7 +154,7 @@ __device__ TaskShape task_shape(const ForwardMegakernelArgs& a) {
 
 // The GEMM tile of a compute task: its expert, its routed rows (a prefix of the tile: segments
 // are padded at their end) and its rows in the ring.
-__device__ gemm::TileCoord tile_of(const ForwardMegakernelArgs& a, const TaskShape& s,
+__device__ __forceinline__ gemm::TileCoord tile_of(const ForwardMegakernelArgs& a, const TaskShape& s,
                                    const Task& t) {
   gemm::TileCoord c;
   c.m_tile = t.m_tile;
@@ -166,13 +167,14 @@ __device__ gemm::TileCoord tile_of(const ForwardMegakernelArgs& a, const TaskSha
   return c;
 }
 
-__device__ uint32_t* counter_of(const ForwardMegakernelArgs& a, int32_t slot, mega::Counter c) {
+__device__ __forceinline__ uint32_t* counter_of(const ForwardMegakernelArgs& a, int32_t slot, mega::Counter c) {
   return a.counters + slot * mega::kCounters + static_cast<int>(c);
 }
 
-// Blocks (one thread) until the task's slot is ready; on timeout says who waited for what.
-__device__ void wait_for_task(const ForwardMegakernelArgs& a, const TaskShape& s, const Task& t,
-                              const char* role) {
+// Blocks (one thread) until the task's slot is ready; on timeout records who waited for what
+// (MegakernelDiagnostic) and traps.
+__device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, const TaskShape& s,
+                                              const Task& t, bool compute) {
   mega::WaitTarget w[2];
   const int n = mega::wait_targets(s, t, w);
   const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
@@ -180,19 +182,31 @@ __device__ void wait_for_task(const ForwardMegakernelArgs& a, const TaskShape& s
     uint32_t seen = 0;
     if (!ptx::wait_counter_at_least(counter_of(a, slot, w[i].counter), w[i].at_least,
                                     a.timeout_ns, &seen)) {
-      printf("EPFlow: rank %d forward megakernel, CTA %d (%s) timed out after %.3f s: %s of row "
-             "tile %d (n tile %d) waits for %s of ring slot %d to reach %u, it is %u "
-             "(%d row tiles, ring of %d)\n",
-             a.rank, blockIdx.x, role, a.timeout_ns * 1e-9, mega::task_name(t.kind), t.m_tile,
-             t.n_tile, mega::counter_name(w[i].counter), slot, w[i].at_least, seen, s.m_tiles,
-             s.ring_tiles);
+      MegakernelDiagnostic* d = a.diagnostic;
+      if (atomicCAS(&d->set, 0u, 1u) == 0u) {
+        volatile MegakernelDiagnostic* v = d;
+        v->rank = a.rank;
+        v->cta = blockIdx.x;
+        v->compute = compute;
+        v->task_kind = static_cast<int32_t>(t.kind);
+        v->m_tile = t.m_tile;
+        v->n_tile = t.n_tile;
+        v->counter = static_cast<int32_t>(w[i].counter);
+        v->slot = slot;
+        v->m_tiles = s.m_tiles;
+        v->ring_tiles = s.ring_tiles;
+        v->want = w[i].at_least;
+        v->have = seen;
+        v->seconds = a.timeout_ns * 1e-9;
+        __threadfence_system();
+      }
       __trap();
     }
   }
 }
 
 // Communication partition: pull dispatch, every thread of the CTA copying rows, a warp per row.
-__device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
+__device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
   constexpr int kWarps = gemm::kThreads / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t vecs = int64_t{a.hidden} * 2 / 16;
@@ -200,7 +214,7 @@ __device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
   for (int64_t i = blockIdx.x; i < tasks; i += a.comm_ctas) {
     const Task t = mega::comm_task(s, i);
     const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
-    if (threadIdx.x == 0) wait_for_task(a, s, t, "communication");
+    if (threadIdx.x == 0) wait_for_task(a, s, t, false);
     __syncthreads();
     const int32_t rows = tile_of(a, s, t).rows;
     for (int32_t r = warp; r < rows; r += kWarps) {
@@ -229,7 +243,7 @@ __device__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
 // weight tile) start together on different SMs and share that weight tile through L2; with a
 // static split, CTAs drift apart (gate/up and down tiles differ 3.5x in length, waits differ)
 // and each re-reads weights from HBM. Claiming in list order keeps the no-deadlock argument.
-__device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, const TaskShape& s,
+__device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, const TaskShape& s,
                              MegaSmem& smem) {
   const int wg = threadIdx.x / 128;
   const int64_t tasks = mega::num_compute_tasks(s);
@@ -245,7 +259,7 @@ __device__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, cons
         if (i >= tasks) break;
         const Task t = mega::compute_task(s, i);
         const gemm::TileCoord c = tile_of(a, s, t);
-        wait_for_task(a, s, t, "compute");
+        wait_for_task(a, s, t, true);
         cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what we waited for
         if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.x, &m.x_rows,
@@ -339,6 +353,21 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
 constexpr size_t kSmemBytes = sizeof(MegaSmem) + 1024;  // + alignment slack
 
 }  // namespace
+
+std::string describe(const MegakernelDiagnostic& d) {
+  if (!d.set) return "";
+  const auto kind = static_cast<mega::TaskKind>(d.task_kind);
+  char msg[512];
+  std::snprintf(msg, sizeof msg,
+                "rank %d forward megakernel, CTA %d (%s partition) timed out after %.3f s: %s of "
+                "row tile %d (n tile %d) waited for %s of ring slot %d to reach %u, it was %u "
+                "(%d row tiles, ring of %d)",
+                d.rank, d.cta, d.compute ? "compute" : "communication", d.seconds,
+                mega::task_name(kind), d.m_tile, d.n_tile,
+                mega::counter_name(static_cast<mega::Counter>(d.counter)), d.slot, d.want, d.have,
+                d.m_tiles, d.ring_tiles);
+  return msg;
+}
 
 size_t forward_megakernel_counter_bytes(int32_t ring_tiles) {
   // The slots' counters, then the compute partition's task claim counter.

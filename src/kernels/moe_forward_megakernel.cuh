@@ -12,11 +12,26 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 
 #include "common/routing_schedule.h"
 #include "kernels/layer_kernels.cuh"
 
 namespace epflow::kernels {
+
+// What a timed-out wait inside the megakernel leaves behind before it traps, in host-mapped
+// memory (readable by the host after the trap, without touching the dead context). NOTES: the
+// kernel cannot printf: any call in a kernel makes ptxas serialise every wgmma in it.
+struct MegakernelDiagnostic {
+  uint32_t set;  // 0 until a wait times out; the first one to time out fills the rest
+  int32_t rank, cta, compute;  // compute: 1 compute partition, 0 communication partition
+  int32_t task_kind, m_tile, n_tile, counter, slot, m_tiles, ring_tiles;
+  uint32_t want, have;
+  double seconds;
+};
+
+// The message of a filled diagnostic ("" when none).
+std::string describe(const MegakernelDiagnostic& d);
 
 struct ForwardMegakernelArgs {
   PeerWindows peers;
@@ -40,6 +55,7 @@ struct ForwardMegakernelArgs {
   int32_t comm_ctas = 0;  // communication partition; the other CTAs compute
   int32_t rank = 0;       // for diagnostics
   int64_t timeout_ns = 0;
+  MegakernelDiagnostic* diagnostic = nullptr;  // host-mapped
 };
 
 // Bytes of counters for a ring of ring_tiles tiles.
