@@ -31,9 +31,11 @@ struct ForwardArgs {
   __nv_bfloat16* y = nullptr;             // [T, H] out
 };
 
-// What forward() keeps for backward(). The tensors it points at (x, topk_idx, topk_weights,
-// weights) belong to the caller and must stay unchanged until backward() has been enqueued.
-// A context is valid until the next forward() on the same Layer.
+// What forward() keeps for backward(): only references to the caller's inputs (x, topk_idx,
+// topk_weights, weights), which must stay unchanged until backward() has been enqueued; the
+// layer keeps no activations (saved_bytes = 0): backward rebuilds the schedule, re-pulls x and
+// recomputes the gate/up GEMM (docs/ARCHITECTURE.md, "Saved context"). A context is valid until
+// the next forward() on the same Layer.
 struct SavedContext {
   uint64_t generation = 0;  // 0: never filled
   int64_t num_tokens = 0;
@@ -60,9 +62,9 @@ struct BackwardArgs {
 // Device memory the layer holds, by purpose (bytes).
 struct MemoryReport {
   int64_t symmetric_bytes = 0;   // NCCL symmetric windows (peers read or write them)
-  int64_t ring_bytes = 0;        // routed-token ring buffer and expert intermediates
+  int64_t ring_bytes = 0;        // the megakernel's ring (routed x rows and SwiGLU outputs)
   int64_t schedule_bytes = 0;    // pull table, counts, counters
-  int64_t saved_bytes = 0;       // activations kept for backward
+  int64_t saved_bytes = 0;       // activations kept for backward (none: backward recomputes)
   int64_t total() const { return symmetric_bytes + ring_bytes + schedule_bytes + saved_bytes; }
 };
 

@@ -88,34 +88,33 @@ std::vector<CallInputs> mixed_calls(const LayerConfig& c, int world, uint64_t se
           testing::make_call(c, tokens(513, 1), Routing::kWithEmptySlots, seed + 3)};
 }
 
+// The small shape with the megakernel's knobs (0 = automatic), on the mixed calls.
+void check_with_knobs(int world, int32_t comm_sms, int64_t minibatch_rows, int64_t ring_rows,
+                      uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "EP " << world << " comm SMs " << comm_sms
+                                    << " minibatch " << minibatch_rows << " ring " << ring_rows);
+  LayerConfig c = small_config(world, 600);
+  c.comm_sms = comm_sms;
+  c.minibatch_rows = minibatch_rows;
+  c.ring_rows = ring_rows;
+  run_and_check(c, mixed_calls(c, world, seed));
+}
+
 // Rings of 1, 2 and 3 tiles against up to 19 tiles of routed rows per call: every call cycles
-// macrobatches, combine of one overlapping dispatch of the next.
+// macrobatches, and the dispatch of one overlaps the compute of the previous.
 TEST(LayerGpu, RingSmallerThanRoutedRows) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
   for (int world : {1, 2}) {
     if (testing::device_count() < world) continue;
-    for (auto [ring, minibatch] : {std::pair{128, 128}, {256, 128}, {384, 128}}) {
-      SCOPED_TRACE(::testing::Message() << "EP " << world << " ring " << ring << " minibatch "
-                                        << minibatch);
-      LayerConfig c = small_config(world, 600);
-      c.ring_rows = ring;
-      c.minibatch_rows = minibatch;
-      run_and_check(c, mixed_calls(c, world, 20));
-    }
+    for (int64_t ring : {128, 256, 384}) check_with_knobs(world, 0, 128, ring, 20);
   }
 }
 
 TEST(LayerGpu, SmSplitsAndMinibatchSizes) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
   const int world = testing::device_count() >= 2 ? 2 : 1;
-  for (auto [comm_sms, minibatch] : {std::pair{1, 128}, {8, 256}, {40, 512}, {100, 0}}) {
-    SCOPED_TRACE(::testing::Message() << "EP " << world << " comm SMs " << comm_sms
-                                      << " minibatch " << minibatch);
-    LayerConfig c = small_config(world, 600);
-    c.comm_sms = comm_sms;
-    c.minibatch_rows = minibatch;
-    run_and_check(c, mixed_calls(c, world, 30));
-  }
+  for (auto [comm_sms, minibatch] : {std::pair{1, 128}, {8, 256}, {40, 512}, {100, 0}})
+    check_with_knobs(world, comm_sms, minibatch, 0, 30);
 }
 
 TEST(LayerGpu, CapturedInCudaGraph) {
