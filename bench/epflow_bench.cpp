@@ -55,17 +55,20 @@ struct Options {
   bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
   // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
   std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows;
+  std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
 };
 
 void usage() {
   std::printf(
       "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
       "                    [--warmup N] [--seed S] [--json PATH] [--baselines LIST] [--check]\n"
-      "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
+      "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]] [--trace PREFIX]\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
       "  --comm-sms, --minibatch-rows  also time EPFlow with each pair of these knobs\n"
       "               (system epflow-sweep; 0 = the automatic default)\n"
+      "  --trace PREFIX  write EPFlow's megakernel tasks of the last timed call, per rank, to\n"
+      "               PREFIX-<preset>-<tokens>-rank<r>.csv (bench/trace_summary.py reads them)\n"
       "  --check      compare EPFlow's and the baselines' outputs with the CPU reference on a\n"
       "               small shape (default: preset tiny, 64 tokens, EP 2 if 2 GPUs, else 1);\n"
       "               exit 1 on a mismatch\n"
@@ -115,6 +118,8 @@ bool parse(int argc, char** argv, Options* o) {
                  })) {
         return false;
       }
+    } else if (a == "--trace") {
+      o->trace = v;
     } else if (a == "--comm-sms" || a == "--minibatch-rows") {
       auto& list = a == "--comm-sms" ? o->sweep_comm_sms : o->sweep_minibatch_rows;
       for (const auto& t : split(v)) list.push_back(std::atoll(t.c_str()));
@@ -381,17 +386,38 @@ struct Variant {
   bool unfused = false;
 };
 
+// The megakernel's tasks of the last call, one CSV line each, times relative to the first.
+Status write_trace(const Layer& layer, int rank, const std::string& path) {
+  std::vector<kernels::MegakernelTraceRecord> recs;
+  EPFLOW_RETURN_IF_ERROR(LayerInternals::fetch_trace(layer, &recs));
+  uint64_t t0 = UINT64_MAX;
+  for (const auto& r : recs) t0 = std::min(t0, r.taken_ns);
+  const int32_t comm_ctas = LayerInternals::plan(layer).comm_sms;
+  std::ofstream f(path);
+  f << "rank,cta,partition,kind,task,taken_us,ready_us,done_us\n";
+  static const char* const kKinds[] = {"dispatch", "gate_up", "down"};
+  for (const auto& r : recs)
+    f << rank << ',' << r.cta << ',' << (r.cta < comm_ctas ? "comm" : "compute") << ','
+      << kKinds[r.kind] << ',' << r.task << ',' << (r.taken_ns - t0) * 1e-3 << ','
+      << (r.ready_ns - t0) * 1e-3 << ',' << (r.done_ns - t0) * 1e-3 << '\n';
+  f.close();
+  return f ? Status::ok_status()
+           : error_status(StatusCode::kInternal, "writing the trace ", path, " failed");
+}
+
 // EPFlow on this rank: timing of the layer and its stages, and the rows of y of `checked`.
+// trace_path: where to write the megakernel's per-task trace of the last call (empty: none).
 Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
                          const std::vector<bench::Routing>& routing, int64_t T, const Options& o,
                          ncclComm_t comm, const std::vector<int64_t>& checked, RankResult* out,
-                         std::vector<float>* y_rows) {
+                         std::vector<float>* y_rows, const std::string& trace_path = "") {
   LayerConfig c = base;
   c.comm_sms = v.comm_sms;
   c.minibatch_rows = v.minibatch_rows;
   std::unique_ptr<Layer> layer;
   EPFLOW_RETURN_IF_ERROR(Layer::create(c, comm, &layer));
   if (v.unfused) EPFLOW_RETURN_IF_ERROR(LayerInternals::use_unfused_forward(*layer, true));
+  if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(LayerInternals::enable_trace(*layer));
   out->plan = LayerInternals::plan(*layer);
   Stream stream;
   EPFLOW_RETURN_IF_ERROR(stream.create());
@@ -408,6 +434,7 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   }
   EPFLOW_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run"));
   EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, out));
+  if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(write_trace(*layer, c.ep_rank, trace_path));
   return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
 }
 
@@ -705,8 +732,13 @@ int run_gpu(const Options& o, int devices) {
         rc.ep_rank = rank;
         RankResult r;
         for (size_t v = 0; v < variants.size(); ++v) {
+          const std::string trace =
+              v == 0 && !o.trace.empty()
+                  ? o.trace + "-" + p->name + "-" + std::to_string(T) + "-rank" +
+                        std::to_string(rank) + ".csv"
+                  : "";
           EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(rc, variants[v], routing, T, o, comm, checked,
-                                                   &r, &y_variant[v][rank]));
+                                                   &r, &y_variant[v][rank], trace));
           keep_times(r, &variant_results[v][rank]);
         }
         if (!nccl_cublas) return Status::ok_status();

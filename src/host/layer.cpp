@@ -106,6 +106,8 @@ struct Layer::Impl {
   // Host-mapped: where a timed-out wait inside the megakernel says who waited for what.
   kernels::MegakernelDiagnostic* diagnostic = nullptr;
   kernels::MegakernelDiagnostic* diagnostic_device = nullptr;
+  // Optional per-task trace of the megakernel (epflow-bench --trace), [sm_count][records].
+  kernels::MegakernelTraceRecord* trace = nullptr;
 
   // The unfused chain's buffers, [max_rows, H | I | H], allocated on request only.
   bool unfused = false;
@@ -119,6 +121,7 @@ struct Layer::Impl {
 
   ~Impl() {
     if (diagnostic) cudaFreeHost(diagnostic);
+    if (trace) cudaFree(trace);
     if (local) cudaFree(local);
     if (unfused_buffers) cudaFree(unfused_buffers);
     window.destroy();
@@ -126,6 +129,9 @@ struct Layer::Impl {
 
   Status allocate();
   Status enable_unfused();
+  size_t trace_bytes() const {
+    return sizeof(kernels::MegakernelTraceRecord) * kernels::kTraceRecordsPerCta * sm_count;
+  }
   Status run_megakernel(const ForwardArgs& args, cudaStream_t stream);
   Status run_unfused(const ForwardArgs& args, cudaStream_t stream, const StageEvents* events);
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
@@ -241,6 +247,10 @@ Status Layer::Impl::run_megakernel(const ForwardArgs& a, cudaStream_t stream) {
   m.rank = c.ep_rank;
   m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
   m.diagnostic = diagnostic_device;
+  if (trace) {
+    EPFLOW_CUDA_RETURN(cudaMemsetAsync(trace, 0xff, trace_bytes(), stream));  // task -1: unused
+    m.trace = trace;
+  }
   EPFLOW_CUDA_RETURN(kernels::launch_forward_megakernel(m, sm_count, stream));
   return Status::ok_status();
 }
@@ -419,6 +429,26 @@ Status LayerInternals::use_unfused_forward(Layer& layer, bool unfused) {
 }
 
 runtime::LayerPlan LayerInternals::plan(const Layer& layer) { return layer.impl_->plan; }
+
+Status LayerInternals::enable_trace(Layer& layer) {
+  Layer::Impl& impl = *layer.impl_;
+  if (!impl.trace) EPFLOW_CUDA_RETURN(cudaMalloc(&impl.trace, impl.trace_bytes()));
+  return Status::ok_status();
+}
+
+Status LayerInternals::fetch_trace(const Layer& layer,
+                                   std::vector<kernels::MegakernelTraceRecord>* out) {
+  const Layer::Impl& impl = *layer.impl_;
+  out->clear();
+  if (!impl.trace) return error_status(StatusCode::kInvalidArgument, "tracing is not enabled");
+  std::vector<kernels::MegakernelTraceRecord> all(impl.trace_bytes() /
+                                                  sizeof(kernels::MegakernelTraceRecord));
+  EPFLOW_CUDA_RETURN(cudaDeviceSynchronize());
+  EPFLOW_CUDA_RETURN(cudaMemcpy(all.data(), impl.trace, impl.trace_bytes(), cudaMemcpyDeviceToHost));
+  for (const auto& r : all)
+    if (r.task >= 0) out->push_back(r);
+  return Status::ok_status();
+}
 
 Status LayerInternals::forward_with_stage_events(Layer& layer, const ForwardArgs& args,
                                                  cudaStream_t stream, const StageEvents& events) {

@@ -1,12 +1,16 @@
 // Internal access to the layer for epflow-bench and the tests: the forward with an event recorded
 // at every stage boundary, so the benchmark can report each stage's time from the same run; the
-// unfused chain of issue [B] to compare the megakernel with; the resolved runtime plan.
+// unfused chain of issue [B] to compare the megakernel with; the resolved runtime plan; a
+// per-task trace of the megakernel.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <vector>
+
 #include "epflow/layer.h"
 #include "host/runtime_plan.h"
+#include "kernels/moe_forward_megakernel.cuh"
 
 namespace epflow {
 
@@ -22,6 +26,11 @@ struct LayerInternals {
   // Switches the layer to the unfused chain (allocating its [max_rows] buffers once) or back.
   static Status use_unfused_forward(Layer& layer, bool unfused);
   static runtime::LayerPlan plan(const Layer& layer);
+  // Records every megakernel task of each later forward (when it was taken, ready, done); the
+  // last call's records are fetched (with a device sync) by fetch_trace.
+  static Status enable_trace(Layer& layer);
+  static Status fetch_trace(const Layer& layer,
+                            std::vector<kernels::MegakernelTraceRecord>* out);
   static Status forward_with_stage_events(Layer& layer, const ForwardArgs& args,
                                           cudaStream_t stream, const StageEvents& events);
 };

@@ -205,16 +205,35 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
   }
 }
 
+// Records task i of this CTA's n-th traced task (one thread per CTA calls it).
+__device__ __forceinline__ void trace_task(const ForwardMegakernelArgs& a, int32_t n, int64_t i,
+                                           const Task& t, uint64_t taken, uint64_t ready) {
+  if (!a.trace || n >= kTraceRecordsPerCta) return;
+  MegakernelTraceRecord& r = a.trace[int64_t{blockIdx.x} * kTraceRecordsPerCta + n];
+  r.task = static_cast<int32_t>(i);
+  r.cta = static_cast<int16_t>(blockIdx.x);
+  r.kind = static_cast<int16_t>(t.kind);
+  r.taken_ns = taken;
+  r.ready_ns = ready;
+  r.done_ns = ptx::global_timer_ns();
+}
+
 // Communication partition: pull dispatch, every thread of the CTA copying rows, a warp per row.
 __device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
   constexpr int kWarps = gemm::kThreads / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t vecs = int64_t{a.hidden} * 2 / 16;
   const int64_t tasks = mega::num_comm_tasks(s);
+  uint64_t taken = 0, ready = 0;
+  int32_t traced = 0;
   for (int64_t i = blockIdx.x; i < tasks; i += a.comm_ctas) {
     const Task t = mega::comm_task(s, i);
     const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
-    if (threadIdx.x == 0) wait_for_task(a, s, t, false);
+    if (threadIdx.x == 0) {
+      if (a.trace) taken = ptx::global_timer_ns();
+      wait_for_task(a, s, t, false);
+      if (a.trace) ready = ptx::global_timer_ns();
+    }
     __syncthreads();
     const int32_t rows = tile_of(a, s, t).rows;
     for (int32_t r = warp; r < rows; r += kWarps) {
@@ -232,6 +251,7 @@ __device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const 
     if (threadIdx.x == 0) {
       __threadfence();
       ptx::signal_counter(counter_of(a, slot, mega::signalled_counter(t.kind)));
+      trace_task(a, traced++, i, t, taken, ready);
     }
   }
 }
@@ -254,12 +274,15 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
     ptx::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0) {
       uint32_t* next_task = a.counters + mega::kCounters * a.ring_tiles;
-      for (;;) {
+      uint64_t taken = 0, ready = 0;
+      for (int32_t traced = 0;; ++traced) {
         const int64_t i = atomicAdd(next_task, 1u);
         if (i >= tasks) break;
+        if (a.trace) taken = ptx::global_timer_ns();
         const Task t = mega::compute_task(s, i);
         const gemm::TileCoord c = tile_of(a, s, t);
         wait_for_task(a, s, t, true);
+        if (a.trace) ready = ptx::global_timer_ns();
         cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what we waited for
         if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.x, &m.x_rows,
@@ -267,6 +290,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         else
           gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
                                                &m.down, smem.stage_task, i);
+        trace_task(a, traced, i, t, taken, ready);
       }
       // The next stage tells the consumers there is nothing more (no data: a plain arrival).
       ptx::mbarrier_wait(&smem.gemm.empty[ps.stage], ps.phase ^ 1);

@@ -33,6 +33,17 @@ struct MegakernelDiagnostic {
 // The message of a filled diagnostic ("" when none).
 std::string describe(const MegakernelDiagnostic& d);
 
+// One task as the megakernel ran it (epflow-bench --trace), %globaltimer nanoseconds. taken:
+// claimed; ready: its waits passed; done: communication: rows copied and signalled, compute: all
+// of the tile's loads issued (the producer's view; its MMAs finish up to kStages stages later).
+struct MegakernelTraceRecord {
+  int32_t task;  // index in its partition's list; -1: unused record
+  int16_t cta;
+  int16_t kind;  // mega::TaskKind
+  uint64_t taken_ns, ready_ns, done_ns;
+};
+inline constexpr int kTraceRecordsPerCta = 2048;  // later tasks of a CTA are not recorded
+
 struct ForwardMegakernelArgs {
   PeerWindows peers;
   size_t x_offset = 0;        // window offset of the tokens peers pull
@@ -56,6 +67,7 @@ struct ForwardMegakernelArgs {
   int32_t rank = 0;       // for diagnostics
   int64_t timeout_ns = 0;
   MegakernelDiagnostic* diagnostic = nullptr;  // host-mapped
+  MegakernelTraceRecord* trace = nullptr;      // optional: [grid][kTraceRecordsPerCta]
 };
 
 // Bytes of counters for a ring of ring_tiles tiles.

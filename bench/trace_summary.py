@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Summarises megakernel traces (epflow-bench --trace PREFIX writes PREFIX-<preset>-<tokens>-
+rank<r>.csv): per rank, partition and task kind, how many tasks ran, how long they waited for
+their counters (taken -> ready) and how long they ran (ready -> done; for compute tasks the
+producer's view: all loads issued), and how much of the kernel's span each partition spent
+waiting. With --png, draws a timeline: a row per CTA, grey while a task waits, coloured while
+it runs.
+
+Usage: bench/trace_summary.py TRACE.csv [TRACE.csv ...] [--png timeline.png]"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+COLORS = {"dispatch": "C0", "gate_up": "C1", "down": "C2"}
+
+
+def load(paths: list[Path]) -> list[dict]:
+    rows = []
+    for p in paths:
+        with p.open() as f:
+            for r in csv.DictReader(f):
+                for k in ("rank", "cta", "task"):
+                    r[k] = int(r[k])
+                for k in ("taken_us", "ready_us", "done_us"):
+                    r[k] = float(r[k])
+                r["file"] = p.name
+                rows.append(r)
+    return rows
+
+
+def summarise(rows: list[dict]) -> None:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["file"], r["partition"], r["kind"])].append(r)
+    print("| trace | partition | kind | tasks | wait µs (median / p90) | run µs (median) "
+          "| waiting share of the partition's task time |")
+    print("|---|---|---|---|---|---|---|")
+    for (file, part, kind), rs in sorted(groups.items()):
+        waits = sorted(r["ready_us"] - r["taken_us"] for r in rs)
+        runs = [r["done_us"] - r["ready_us"] for r in rs]
+        share = sum(waits) / max(sum(waits) + sum(runs), 1e-9)
+        print(f"| {file} | {part} | {kind} | {len(rs)} | {statistics.median(waits):.1f} / "
+              f"{waits[int(0.9 * (len(waits) - 1))]:.1f} | {statistics.median(runs):.1f} "
+              f"| {100 * share:.0f}% |")
+    # Span of each file's kernel, and idle time between a CTA's tasks (claiming, epilogues).
+    for file in sorted({r["file"] for r in rows}):
+        rs = [r for r in rows if r["file"] == file]
+        span = max(r["done_us"] for r in rs) - min(r["taken_us"] for r in rs)
+        print(f"\n{file}: megakernel span {span:.0f} µs (first task taken to last task done)")
+
+
+def timeline(rows: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = sorted({r["file"] for r in rows})
+    fig, axes = plt.subplots(len(files), 1, squeeze=False, figsize=(14, 4 * len(files)))
+    for ax, file in zip(axes[:, 0], files, strict=True):
+        for r in (r for r in rows if r["file"] == file):
+            y = r["cta"]
+            ax.broken_barh([(r["taken_us"], r["ready_us"] - r["taken_us"])], (y, 0.9),
+                           color="0.8")
+            ax.broken_barh([(r["ready_us"], r["done_us"] - r["ready_us"])], (y, 0.9),
+                           color=COLORS.get(r["kind"], "k"))
+        ax.set_title(file, fontsize=10)
+        ax.set_xlabel("µs since the first task was taken")
+        ax.set_ylabel("CTA (communication partition first)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="0.8"))
+    fig.legend(handles, [*COLORS, "waiting for counters"], loc="lower center", ncol=4,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+", type=Path)
+    ap.add_argument("--png", type=Path, help="timeline plot to write")
+    args = ap.parse_args()
+    rows = load(args.traces)
+    if not rows:
+        sys.exit("trace_summary.py: no records")
+    summarise(rows)
+    if args.png:
+        timeline(rows, args.png)
+        print(f"timeline: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
