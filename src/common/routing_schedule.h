@@ -11,8 +11,9 @@
 //    so one tile pulls from many peers at once instead of hammering one;
 //  - the rows from one source to one expert keep the order of their slot ids (token * K + k):
 //    the table is a pure function of the routing, so wgrad sums run in a fixed order;
-//  - the table is cut into macrobatches of whole tiles that fit the ring buffer; every row is in
-//    exactly one macrobatch, however many rows the routing sends (nothing is ever dropped).
+//  - the megakernel walks the table in macrobatches of whole tiles that fit its ring buffer
+//    (src/common/megakernel_tasks.h): every row in exactly one, however many rows the routing
+//    sends (nothing is ever dropped).
 //
 // Slot ids are computed chunk by chunk (count per chunk, scan over chunks, fill per chunk) so
 // the device can run chunks in parallel; the result does not depend on the chunk size. A row's
@@ -163,33 +164,5 @@ EPFLOW_HD int64_t pull_table_capacity(const ScheduleShape& s, int64_t max_tokens
   return int64_t{s.world} * max_tokens_per_rank * per_token +
          int64_t{s.experts_per_rank} * (s.tile_m - 1);
 }
-
-// --- macrobatches over the ring buffer --------------------------------------------------------
-
-// A macrobatch is a run of whole tiles of the table, at most ring capacity rows long. Tiles of
-// one expert may fall into two macrobatches (the expert's GEMM is then done in two parts).
-struct RingPlan {
-  int64_t rows_per_macrobatch = 0;  // ring capacity rounded down to whole tiles (>= tile_m)
-};
-
-EPFLOW_HD RingPlan make_ring_plan(int64_t ring_rows, int32_t tile_m) {
-  return RingPlan{ring_rows / tile_m * tile_m};
-}
-
-EPFLOW_HD int32_t num_macrobatches(const RingPlan& p, int64_t total_rows) {
-  return static_cast<int32_t>(ceil_div(total_rows, p.rows_per_macrobatch));
-}
-
-EPFLOW_HD int64_t macrobatch_begin(const RingPlan& p, int32_t m) {
-  return int64_t{m} * p.rows_per_macrobatch;
-}
-
-EPFLOW_HD int64_t macrobatch_end(const RingPlan& p, int64_t total_rows, int32_t m) {
-  const int64_t end = macrobatch_begin(p, m) + p.rows_per_macrobatch;
-  return end < total_rows ? end : total_rows;
-}
-
-// Ring slot that table row `row` occupies while its macrobatch is live.
-EPFLOW_HD int64_t ring_slot(const RingPlan& p, int64_t row) { return row % p.rows_per_macrobatch; }
 
 }  // namespace epflow::sched

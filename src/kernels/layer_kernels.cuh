@@ -1,5 +1,6 @@
-// Launchers of the unfused forward pipeline (issue [B]): one kernel per file, each a building
-// block the fused megakernel reuses. All stream-ordered; none synchronises with the host.
+// Launchers of the forward's separate kernels: the barrier and weighted sum around the
+// megakernel, and the unfused chain's dispatch and combine (issue [B], kept for comparison).
+// One kernel per file, all stream-ordered; none synchronises with the host.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -274,14 +274,6 @@ TEST(RoutingSchedule, SmallRoutingGivesTheDocumentedTable) {
   ASSERT_EQ(t.rows.size(), want.size());
   for (size_t r = 0; r < want.size(); ++r)
     EXPECT_TRUE(same_row(t.rows[r], want[r])) << "row " << r << ": " << str(t.rows[r]);
-
-  // Ring of 10 rows holds two tiles: macrobatches [0, 8) and [8, 12).
-  const RingPlan plan = make_ring_plan(10, 4);
-  EXPECT_EQ(plan.rows_per_macrobatch, 8);
-  ASSERT_EQ(num_macrobatches(plan, t.total_rows()), 2);
-  EXPECT_EQ(macrobatch_end(plan, t.total_rows(), 0), 8);
-  EXPECT_EQ(macrobatch_begin(plan, 1), 8);
-  EXPECT_EQ(macrobatch_end(plan, t.total_rows(), 1), 12);
 }
 
 TEST(RoutingSchedule, InvalidIdsAreCountedAndSkippedByEveryDestination) {
@@ -515,55 +507,8 @@ TEST(RoutingSchedule, ExpertOfRowIsTheSegmentOfEveryRowIncludingPadding) {
   EXPECT_GT(tables_with_empty_segment_before_a_busy_one, 0);
 }
 
-// (h)
-TEST(RoutingSchedule, MacrobatchesAreWholeTileRunsCoveringTheTableOnce) {
-  int64_t empty_tables = 0;
-  for_each_table([&](const Case& c, int32_t, const PullTable& t,
-                     const Oracle&) -> AssertionResult {
-    const int64_t tile = c.tile_m;
-    const int64_t total = t.total_rows();
-    empty_tables += total == 0;
-    for (const int64_t ring : {tile, 2 * tile, 3 * tile + 5, total + tile + 1}) {
-      const RingPlan plan = make_ring_plan(ring, c.tile_m);
-      const int64_t cap = plan.rows_per_macrobatch;
-      if (cap <= 0 || cap % tile != 0 || cap > ring || cap + tile <= ring)
-        return AssertionFailure() << "ring " << ring << ": " << cap
-                                  << " rows per macrobatch is not the ring rounded down to tiles";
-      const int32_t n = num_macrobatches(plan, total);
-      if (total == 0 && n != 0)
-        return AssertionFailure() << "empty table has " << n << " macrobatches";
-      if (ring > total && total > 0 && n != 1)
-        return AssertionFailure() << "ring " << ring << " larger than the table of " << total
-                                  << " rows, yet " << n << " macrobatches";
-      int64_t next = 0;  // where the next macrobatch must begin
-      std::vector<char> used(cap);
-      for (int32_t m = 0; m < n; ++m) {
-        const int64_t begin = macrobatch_begin(plan, m);
-        const int64_t end = macrobatch_end(plan, total, m);
-        if (begin != next || begin % tile != 0 || end <= begin || end - begin > ring ||
-            (end - begin) % tile != 0)
-          return AssertionFailure() << "ring " << ring << " macrobatch " << m << " = [" << begin
-                                    << ", " << end << "), previous ended at " << next;
-        std::fill(used.begin(), used.end(), 0);
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t slot = ring_slot(plan, r);
-          if (slot < 0 || slot >= cap || used[slot]++)
-            return AssertionFailure() << "ring " << ring << " macrobatch " << m << " row " << r
-                                      << " takes ring slot " << slot << " (capacity " << cap
-                                      << "), out of range or taken";
-        }
-        next = end;
-      }
-      if (next != total)
-        return AssertionFailure() << "ring " << ring << ": macrobatches cover [0, " << next
-                                  << ") of " << total << " rows";
-    }
-    return AssertionSuccess();
-  });
-  EXPECT_GT(empty_tables, 0);  // so the empty-table rule above was exercised
-}
 
-// (i)
+// (h)
 TEST(RoutingSchedule, InvalidSlotCountMatchesEveryGeneratedRouting) {
   int64_t invalid_seen = 0;
   for_each_table([&](const Case&, int32_t, const PullTable& t,
@@ -576,7 +521,7 @@ TEST(RoutingSchedule, InvalidSlotCountMatchesEveryGeneratedRouting) {
   EXPECT_GT(invalid_seen, 0);  // so the generator did produce invalid ids
 }
 
-// (j)
+// (i)
 TEST(RoutingSchedule, CapacityBoundsTotalRows) {
   for_each_table([](const Case& c, int32_t dest, const PullTable& t,
                     const Oracle&) -> AssertionResult {
@@ -587,7 +532,7 @@ TEST(RoutingSchedule, CapacityBoundsTotalRows) {
   });
 }
 
-// (k)
+// (j)
 TEST(RoutingSchedule, DestinationsTogetherPullEveryValidSlotExactlyOnce) {
   for (const CaseTables& ct : all_tables()) {
     const Case& c = *ct.c;
@@ -613,7 +558,7 @@ TEST(RoutingSchedule, DestinationsTogetherPullEveryValidSlotExactlyOnce) {
   }
 }
 
-// (l) The device marks a segment's padding with a warp: lanes [0, lanes) of fill_padding must
+// (k) The device marks a segment's padding with a warp: lanes [0, lanes) of fill_padding must
 // mark exactly the rows one thread does, and nothing else.
 TEST(RoutingSchedule, PaddingSplitOverLanesMarksTheSameRows) {
   for_each_table([](const Case& c, int32_t dest, const PullTable& t,
