@@ -28,12 +28,12 @@ struct LayerPlan {
   int64_t ring_bytes = 0;       // routed x rows + SwiGLU intermediates (bf16)
 };
 
-// Default communication SMs. NOTES: MoK tuned 24 of 148 SMs for BF16 forward; TMA bulk copies
-// reach ~3/4 of NVLink bandwidth with ~15 SMs (ParallelKittens). Issue [E] replaces this with a
-// measured heuristic.
+// Default communication SMs. NOTES: MoK tuned 24 of 148 SMs for BF16 forward. Measured here
+// (docs/benchmarks.md, knob sweep, DeepSeek-V3 shape, EP 2, 2xH200): 16 is within 3% of the
+// best of 8..32 at 512 and 2048 tokens/rank; at 8192, 8..12 were a few % faster.
 inline constexpr int32_t kDefaultCommSms = 16;
-// Default ring: this many minibatches, enough for dispatch of one to overlap compute of the
-// previous and combine of the one before.
+// Default ring: this many minibatches, so dispatch runs ahead of compute and the down GEMM of
+// minibatch j can run after the gate/up GEMM of j + 1 (which needs at least 2).
 inline constexpr int32_t kDefaultRingMinibatches = 4;
 
 // Two full waves rule: the smallest row count whose tile grid covers the compute SMs twice in
