@@ -1,0 +1,54 @@
+// The message a timed-out wait inside the forward megakernel leaves for the next forward() call
+// (the kernel records the fields in host-mapped memory and traps; describe() words them on the
+// host). No GPU needed: the record is plain data.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "common/megakernel_tasks.h"
+#include "kernels/moe_forward_megakernel.cuh"
+
+namespace epflow::kernels {
+namespace {
+
+TEST(MegakernelDiagnostic, EmptyRecordSaysNothing) {
+  EXPECT_EQ(describe(MegakernelDiagnostic{}), "");
+}
+
+TEST(MegakernelDiagnostic, NamesWhoWaitedForWhat) {
+  MegakernelDiagnostic d{};
+  d.set = 1;
+  d.rank = 1;
+  d.cta = 37;
+  d.compute = 1;
+  d.task_kind = static_cast<int32_t>(mega::TaskKind::kGateUp);
+  d.m_tile = 12;
+  d.n_tile = 5;
+  d.counter = static_cast<int32_t>(mega::Counter::kXReady);
+  d.slot = 4;
+  d.m_tiles = 40;
+  d.ring_tiles = 8;
+  d.want = 2;
+  d.have = 1;
+  d.seconds = 5.0;
+  const std::string m = describe(d);
+  for (const char* part : {"rank 1", "CTA 37", "compute partition", "5.000 s", "gate/up GEMM",
+                           "row tile 12", "n tile 5", "x_ready", "ring slot 4", "reach 2",
+                           "it was 1", "40 row tiles", "ring of 8"})
+    EXPECT_NE(m.find(part), std::string::npos) << "missing \"" << part << "\" in: " << m;
+}
+
+TEST(MegakernelDiagnostic, CommunicationPartitionWaitingToOverwriteX) {
+  MegakernelDiagnostic d{};
+  d.set = 1;
+  d.compute = 0;
+  d.task_kind = static_cast<int32_t>(mega::TaskKind::kDispatch);
+  d.counter = static_cast<int32_t>(mega::Counter::kHDone);
+  const std::string m = describe(d);
+  EXPECT_NE(m.find("communication partition"), std::string::npos) << m;
+  EXPECT_NE(m.find("dispatch"), std::string::npos) << m;
+  EXPECT_NE(m.find("h_done"), std::string::npos) << m;
+}
+
+}  // namespace
+}  // namespace epflow::kernels
