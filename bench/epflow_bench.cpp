@@ -674,9 +674,10 @@ int run_gpu(const Options& o, int devices) {
   if (nccl_cublas)
     std::printf(
         "baseline nccl-cublas: counting-sort permute, ncclAllGather of counts + host sync, "
-        "ncclSend/Recv all-to-all,\n  group by expert + host sync, cublasGemmGroupedBatchedEx + "
-        "SwiGLU kernel, all-to-all back, weighted sum;\n  one stream per rank, whole call timed "
-        "with CUDA events (host syncs included)\n");
+        "ncclSend/Recv all-to-all,\n  group by expert + host sync, cublasGemmGroupedBatchedEx (one "
+        "cublasGemmEx per expert from 256 rows per expert) + SwiGLU kernel, all-to-all back,\n  "
+        "weighted sum; one stream per rank, whole call timed with CUDA events (host syncs "
+        "included)\n");
   if (o.check)
     std::printf("--check: every token's y against the CPU reference, rel. error <= %.0e\n",
                 kRelTol);

@@ -299,6 +299,9 @@ SortShape sort_shape(int64_t n, int32_t buckets) {
   }
 }
 
+// Rows every expert must have for one dense cublasGemmEx per expert instead of the grouped call.
+constexpr int64_t kDenseGemmRows = 256;
+
 // The arguments of one cublasGemmGroupedBatchedEx call: per-group arrays (the API reads them on
 // the host), one group per run of experts with equal row counts. Cleared and refilled each call.
 struct GroupedCall {
@@ -655,7 +658,41 @@ Status NcclCublasMoe::Impl::forward(const ForwardArgs& a, const cudaEvent_t* mar
   NCB_RETURN_IF_ERROR(mark(marks, 2));
 
   // 4. Expert FFN: gate/up into the two halves of gate_up, SwiGLU, down into `grouped`.
-  if (R > 0) {
+  // NOTES: cublasGemmGroupedBatchedEx trails a dense GEMM of the same FLOPs by 1.6-2.6x from 128
+  // rows per expert (docs/benchmarks.md, GEMM section); with the counts on the host (this
+  // pipeline synchronises for them anyway) a competent user calls one dense GEMM per expert
+  // once every expert has many rows, and the grouped API otherwise.
+  const int32_t* off = host_expert_offset.as<int32_t>();
+  int64_t min_rows = R > 0 ? R : 0;
+  for (int32_t e : expert_order) min_rows = std::min<int64_t>(min_rows, off[e + 1] - off[e]);
+  if (R > 0 && min_rows >= kDenseGemmRows) {
+    const void* const* hp = host_ptrs.as<const void*>();
+    // out[rows, N] (ld_out) = in[rows, K] (ld_in) W[N, K]^T, column-major as in GroupedCall.
+    auto dense = [&](const void* w, const void* in, const void* out, int rows, int64_t N,
+                     int64_t Kd, int64_t ld_in, int64_t ld_out, const char* what) {
+      const float one = 1.0f, zero = 0.0f;
+      return cublas(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), rows,
+                                 static_cast<int>(Kd), &one, w, CUDA_R_16BF, static_cast<int>(Kd),
+                                 in, CUDA_R_16BF, static_cast<int>(ld_in), &zero,
+                                 const_cast<void*>(out), CUDA_R_16BF, static_cast<int>(ld_out),
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                    what);
+    };
+    for (size_t q = 0; q < expert_order.size(); ++q) {
+      const int rows = off[expert_order[q] + 1] - off[expert_order[q]];
+      for (int half = 0; half < 2; ++half)
+        NCB_RETURN_IF_ERROR(dense(hp[2 * q + half], hp[2 * E + 2 * q + half],
+                                  hp[4 * E + 2 * q + half], rows, I, H, H, 2 * I,
+                                  "cublasGemmEx (gate/up, per expert)"));
+    }
+    NCB_RETURN_IF_ERROR(
+        cuda(swiglu_bf16(gate_up.as<bf16>(), h.as<bf16>(), R, I, stream), "swiglu_bf16"));
+    for (size_t q = 0; q < expert_order.size(); ++q) {
+      const int rows = off[expert_order[q] + 1] - off[expert_order[q]];
+      NCB_RETURN_IF_ERROR(dense(hp[6 * E + q], hp[7 * E + q], hp[8 * E + q], rows, H, I, I, H,
+                                "cublasGemmEx (down, per expert)"));
+    }
+  } else if (R > 0) {
     const void* const* ptrs = gemm_ptrs.as<const void*>();
     auto* out_ptrs = gemm_ptrs.as<void*>();
     NCB_RETURN_IF_ERROR(

@@ -11,7 +11,8 @@
 //      the per-expert offsets to the host, a host sync;
 //   4. expert FFN: cublasGemmGroupedBatchedEx for gate and up (2 problems per expert, writing the
 //      two halves of one [rows, 2I] buffer), the SwiGLU kernel of bench/swiglu_baseline.cuh,
-//      cublasGemmGroupedBatchedEx for down;
+//      cublasGemmGroupedBatchedEx for down; one dense cublasGemmEx per expert and projection
+//      instead when every expert has at least 256 rows (where cuBLAS's grouped GEMM is slow);
 //   5. combine: rows put back in received order and sent home with ncclSend/ncclRecv;
 //   6. y[t] = sum over k (in order, fp32) of topk_weights[t, k] * the row of slot (t, k), bf16.
 // Rows come back in the order they were sent, so the receiver needs no slot metadata: the
