@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "bench_check.h"
+#include "cublas_rows.h"
 #include "bench_inputs.h"
 #include "kernels/expert_ffn.cuh"
 #include "presets.h"
@@ -539,12 +540,10 @@ void run_epflow(const Point& p, int set, cudaStream_t s, const cudaEvent_t* afte
 // out[rows, N] (ld ld_out) = in[rows, K] (ld ld_in) W[N, K]^T, bf16 in/out, fp32 accumulation.
 void gemm_nt(cublasHandle_t h, int64_t rows, int64_t N, int64_t K, const bf16* in, int64_t ld_in,
              const bf16* w, bf16* out, int64_t ld_out, const char* what) {
-  const float one = 1.0f, zero = 0.0f;
-  cublas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, to_int(N, "N"), to_int(rows, "rows"),
-                         to_int(K, "K"), &one, w, CUDA_R_16BF, to_int(K, "ldw"), in, CUDA_R_16BF,
-                         to_int(ld_in, "ld_in"), &zero, out, CUDA_R_16BF, to_int(ld_out, "ld_out"),
-                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-            what);
+  for (const auto& [v, name] : {std::pair{N, "N"}, {rows, "rows"}, {K, "K"}, {ld_in, "ld_in"},
+                                {ld_out, "ld_out"}})
+    to_int(v, name);
+  cublas_ok(bench::gemm_rows_wt(h, rows, N, K, in, ld_in, w, out, ld_out), what);
 }
 
 // The dense baseline on `rows` packed rows: gu = x [W_gate; W_up]^T, h = swiglu(gu), y = h W_d^T.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cublas_rows.h"
 #include "host/status_util.h"
 
 namespace epflow::bench {
@@ -69,13 +70,8 @@ Status measure_rooflines(int64_t rows, int64_t H, int64_t I, int iters, Roofline
   auto* hid = w_gu + 2 * I * H;
   auto* w_down = hid + rows * 2 * I;
   auto* y = w_down + H * I;
-  const float one = 1.0f, zero = 0.0f;
-  // out[rows, N] = in[rows, K] * w[N, K]^T (row-major), as cuBLAS's column-major w^T * in.
   auto gemm = [&](const void* in, const void* w, void* o, int64_t N, int64_t K) {
-    return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(rows),
-                        static_cast<int>(K), &one, w, CUDA_R_16BF, static_cast<int>(K), in,
-                        CUDA_R_16BF, static_cast<int>(K), &zero, o, CUDA_R_16BF,
-                        static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    return gemm_rows_wt(h, rows, N, K, in, K, w, o, N);
   };
   double ffn_ms = 0, copy_ms = 0;
   if (s.ok())

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "../cublas_rows.h"
 #include "../swiglu_baseline.cuh"
 #include "nccl_cublas_moe.h"
 
@@ -667,15 +668,9 @@ Status NcclCublasMoe::Impl::forward(const ForwardArgs& a, const cudaEvent_t* mar
   for (int32_t e : expert_order) min_rows = std::min<int64_t>(min_rows, off[e + 1] - off[e]);
   if (R > 0 && min_rows >= kDenseGemmRows) {
     const void* const* hp = host_ptrs.as<const void*>();
-    // out[rows, N] (ld_out) = in[rows, K] (ld_in) W[N, K]^T, column-major as in GroupedCall.
     auto dense = [&](const void* w, const void* in, const void* out, int rows, int64_t N,
                      int64_t Kd, int64_t ld_in, int64_t ld_out, const char* what) {
-      const float one = 1.0f, zero = 0.0f;
-      return cublas(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), rows,
-                                 static_cast<int>(Kd), &one, w, CUDA_R_16BF, static_cast<int>(Kd),
-                                 in, CUDA_R_16BF, static_cast<int>(ld_in), &zero,
-                                 const_cast<void*>(out), CUDA_R_16BF, static_cast<int>(ld_out),
-                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      return cublas(gemm_rows_wt(blas, rows, N, Kd, in, ld_in, w, const_cast<void*>(out), ld_out),
                     what);
     };
     for (size_t q = 0; q < expert_order.size(); ++q) {
