@@ -8,9 +8,8 @@ cudaError_t launch_expert_ffn_down(const ExpertFfnArgs& a, int32_t sm_count,
                                    cudaStream_t stream) {
   constexpr int kStages = 3;  // 3 x 48 KB of tiles + 64 KB of output staging: 208 KB of 227
   CUtensorMap map_down;  // [E, H, I]
-  const uint64_t w_dims[3] = {uint64_t(a.intermediate), uint64_t(a.hidden), uint64_t(a.experts)};
-  const uint32_t w_box[3] = {gemm::kBlockK, gemm::kBlockNMma, 1};
-  if (!encode_bf16_tensor_map(&map_down, a.w_down, 3, w_dims, w_box).ok())
+  if (!gemm::encode_weight_map(a.w_down, a.experts, a.hidden, a.intermediate, gemm::kBlockNMma,
+                               &map_down))
     return cudaErrorInvalidValue;
   gemm::GemmParams p;
   p.seg_offset = a.seg_offset;

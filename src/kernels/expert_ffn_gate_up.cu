@@ -7,12 +7,10 @@ namespace epflow::kernels {
 cudaError_t launch_expert_ffn_gate_up(const ExpertFfnArgs& a, int32_t sm_count,
                                       cudaStream_t stream) {
   constexpr int kStages = 4;  // 4 x 48 KB of tiles in flight + 32 KB staging: 224 KB of 227
-  // gate and up [E, I, H] as 3-D maps, so a tile past I reads zeros, never the next expert.
   CUtensorMap map_gate, map_up;
-  const uint64_t w_dims[3] = {uint64_t(a.hidden), uint64_t(a.intermediate), uint64_t(a.experts)};
-  const uint32_t w_box[3] = {gemm::kBlockK, gemm::kBlockNMma / 2, 1};
-  if (!encode_bf16_tensor_map(&map_gate, a.w_gate, 3, w_dims, w_box).ok() ||
-      !encode_bf16_tensor_map(&map_up, a.w_up, 3, w_dims, w_box).ok())
+  constexpr uint32_t kHalf = gemm::kBlockNMma / 2;
+  if (!gemm::encode_weight_map(a.w_gate, a.experts, a.intermediate, a.hidden, kHalf, &map_gate) ||
+      !gemm::encode_weight_map(a.w_up, a.experts, a.intermediate, a.hidden, kHalf, &map_up))
     return cudaErrorInvalidValue;
   gemm::GemmParams p;
   p.seg_offset = a.seg_offset;

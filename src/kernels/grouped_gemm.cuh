@@ -330,6 +330,32 @@ constexpr size_t shared_bytes() {
   return sizeof(SharedStorage<kEpi, kStages>) + 1024;  // + alignment slack of the window
 }
 
+// Host side: the TMA maps the GEMM reads and writes (false if the driver refuses one).
+// Row operand [max_rows, k]: whole 128-row boxes and the 16-row boxes of decode-size tiles.
+inline bool encode_row_operand_maps(const void* rows, int64_t k, int64_t max_rows,
+                                    CUtensorMap* map, CUtensorMap* map_few_rows) {
+  const uint64_t dims[2] = {uint64_t(k), uint64_t(max_rows)};
+  const uint32_t box[2] = {kBlockK, kBlockM};
+  const uint32_t few_box[2] = {kBlockK, kRowBoxM};
+  return encode_bf16_tensor_map(map, rows, 2, dims, box).ok() &&
+         encode_bf16_tensor_map(map_few_rows, rows, 2, dims, few_box).ok();
+}
+// Output [max_rows, n], stored in 64 x 64 boxes from the epilogue's staging.
+inline bool encode_output_map(void* out, int64_t n, int64_t max_rows, CUtensorMap* map) {
+  const uint64_t dims[2] = {uint64_t(n), uint64_t(max_rows)};
+  const uint32_t box[2] = {64, 64};
+  return encode_bf16_tensor_map(map, out, 2, dims, box).ok();
+}
+// Expert weights [experts, n, k] (nn.Linear layout per expert) in boxes of box_rows rows; 3-D,
+// so a tile past n reads zeros, never the next expert. Gate and up: kBlockNMma / 2 rows each
+// (a gate/up tile is 128 gate + the same 128 up rows); down: kBlockNMma.
+inline bool encode_weight_map(const void* w, int64_t experts, int64_t n, int64_t k,
+                              uint32_t box_rows, CUtensorMap* map) {
+  const uint64_t dims[3] = {uint64_t(k), uint64_t(n), uint64_t(experts)};
+  const uint32_t box[3] = {kBlockK, box_rows, 1};
+  return encode_bf16_tensor_map(map, w, 3, dims, box).ok();
+}
+
 // Host side: maps the row operand `rows` [max_rows, p.k] and the output `out` [max_rows,
 // p.n_out], then launches the persistent kernel on at most sm_count CTAs. map_b0/map_b1: the
 // weight tiles (kSwiGLU: gate and up, 128 rows each; kStore: one map of 256-row tiles).
@@ -338,14 +364,8 @@ cudaError_t launch_grouped_gemm(const void* rows, int64_t max_rows, const CUtens
                                 const CUtensorMap& map_b1, void* out, const GemmParams& p,
                                 int32_t sm_count, cudaStream_t stream) {
   CUtensorMap map_a, map_a_rows, map_out;
-  const uint64_t a_dims[2] = {uint64_t(p.k), uint64_t(max_rows)};
-  const uint32_t a_box[2] = {kBlockK, kBlockM};
-  const uint32_t a_rows_box[2] = {kBlockK, kRowBoxM};
-  const uint64_t out_dims[2] = {uint64_t(p.n_out), uint64_t(max_rows)};
-  const uint32_t out_box[2] = {64, 64};
-  if (!encode_bf16_tensor_map(&map_a, rows, 2, a_dims, a_box).ok() ||
-      !encode_bf16_tensor_map(&map_a_rows, rows, 2, a_dims, a_rows_box).ok() ||
-      !encode_bf16_tensor_map(&map_out, out, 2, out_dims, out_box).ok())
+  if (!encode_row_operand_maps(rows, p.k, max_rows, &map_a, &map_a_rows) ||
+      !encode_output_map(out, p.n_out, max_rows, &map_out))
     return cudaErrorInvalidValue;
   const int64_t max_tiles =
       max_rows / kBlockM * ((p.n_out + kOutCols<kEpi> - 1) / kOutCols<kEpi>);

@@ -405,23 +405,16 @@ cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& a, int32_t sm
       a.comm_ctas >= sm_count)
     return cudaErrorInvalidValue;
   Maps m;
-  const uint64_t ring_rows = uint64_t(a.ring_tiles) * kBlockM;
-  const uint64_t H = uint64_t(a.hidden), I = uint64_t(a.intermediate), E = uint64_t(a.experts);
-  const uint64_t x_dims[2] = {H, ring_rows}, h_dims[2] = {I, ring_rows};
-  const uint32_t rows_box[2] = {gemm::kBlockK, kBlockM};
-  const uint32_t few_rows_box[2] = {gemm::kBlockK, gemm::kRowBoxM};
-  const uint32_t out_box[2] = {64, 64};
-  const uint64_t gu_dims[3] = {H, I, E}, dn_dims[3] = {I, H, E};
-  const uint32_t gu_box[3] = {gemm::kBlockK, gemm::kBlockNMma / 2, 1};
-  const uint32_t dn_box[3] = {gemm::kBlockK, gemm::kBlockNMma, 1};
-  const bool ok = encode_bf16_tensor_map(&m.x, a.ring_x, 2, x_dims, rows_box).ok() &&
-                  encode_bf16_tensor_map(&m.x_rows, a.ring_x, 2, x_dims, few_rows_box).ok() &&
-                  encode_bf16_tensor_map(&m.gate, a.w_gate, 3, gu_dims, gu_box).ok() &&
-                  encode_bf16_tensor_map(&m.up, a.w_up, 3, gu_dims, gu_box).ok() &&
-                  encode_bf16_tensor_map(&m.h_out, a.ring_h, 2, h_dims, out_box).ok() &&
-                  encode_bf16_tensor_map(&m.h, a.ring_h, 2, h_dims, rows_box).ok() &&
-                  encode_bf16_tensor_map(&m.h_rows, a.ring_h, 2, h_dims, few_rows_box).ok() &&
-                  encode_bf16_tensor_map(&m.down, a.w_down, 3, dn_dims, dn_box).ok();
+  const int64_t ring_rows = int64_t{a.ring_tiles} * kBlockM;
+  constexpr uint32_t kHalf = gemm::kBlockNMma / 2;
+  const bool ok =
+      gemm::encode_row_operand_maps(a.ring_x, a.hidden, ring_rows, &m.x, &m.x_rows) &&
+      gemm::encode_weight_map(a.w_gate, a.experts, a.intermediate, a.hidden, kHalf, &m.gate) &&
+      gemm::encode_weight_map(a.w_up, a.experts, a.intermediate, a.hidden, kHalf, &m.up) &&
+      gemm::encode_output_map(a.ring_h, a.intermediate, ring_rows, &m.h_out) &&
+      gemm::encode_row_operand_maps(a.ring_h, a.intermediate, ring_rows, &m.h, &m.h_rows) &&
+      gemm::encode_weight_map(a.w_down, a.experts, a.hidden, a.intermediate, gemm::kBlockNMma,
+                              &m.down);
   if (!ok) return cudaErrorInvalidValue;
   if (cudaError_t e = cudaFuncSetAttribute(forward_megakernel,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
