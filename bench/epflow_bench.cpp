@@ -767,19 +767,29 @@ int run_gpu(const Options& o, int devices) {
       // The slowest rank sets the layer's time; report it, per stage too.
       const RankResult& slow = slowest(variant_results[0]);
       print_epflow(*p, T, c, slow);
-      // Yardsticks from this run, on GPU 0 with nothing else running: cuBLAS dense bf16 on the
-      // same rows and the HBM copy rate (weights streamed at decode sizes).
+      // Yardsticks from this run, on each GPU of the run in turn with nothing else running
+      // (their mean: the slowest rank sets the layer's time, and GPUs of one host clock
+      // differently under load): cuBLAS dense bf16 on the same rows and the HBM copy rate
+      // (weights streamed at decode sizes).
       bench::Rooflines roof;
-      const bool have_roof = !o.check && cudaSetDevice(0) == cudaSuccess &&
-                             bench::measure_rooflines(std::max<int64_t>(slow.rows_received, 128),
-                                                      c.hidden, c.intermediate, 10, &roof)
-                                 .ok();
+      std::string roof_per_gpu;
+      bool have_roof = !o.check;
+      for (int32_t g = 0; g < ep && have_roof; ++g) {
+        bench::Rooflines one;
+        have_roof = cudaSetDevice(g) == cudaSuccess &&
+                    bench::measure_rooflines(std::max<int64_t>(slow.rows_received, 128),
+                                             c.hidden, c.intermediate, o.warmup, o.iters, &one)
+                        .ok();
+        roof.dense_tflops += one.dense_tflops / ep;
+        roof.hbm_copy_gbs += one.hbm_copy_gbs / ep;
+        roof_per_gpu += (g ? ", " : "") + std::to_string(static_cast<int>(one.dense_tflops));
+      }
       if (have_roof) {
         const double stream_us = weight_bytes(c) / (roof.hbm_copy_gbs * 1e3);
-        std::printf("  yardsticks: cuBLAS dense bf16 on the same rows %.1f TFLOP/s (layer at "
-                    "%.0f%%); weights %.2f GB stream in %.1f us at the HBM copy rate %.0f GB/s "
-                    "(layer = %.2fx that)\n",
-                    roof.dense_tflops,
+        std::printf("  yardsticks: cuBLAS dense bf16 on the same rows %.1f TFLOP/s (mean of GPUs: "
+                    "%s; layer at %.0f%%); weights %.2f GB stream in %.1f us at the HBM copy rate "
+                    "%.0f GB/s (layer = %.2fx that)\n",
+                    roof.dense_tflops, roof_per_gpu.c_str(),
                     100.0 * forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6 /
                         roof.dense_tflops,
                     weight_bytes(c) * 1e-9, stream_us, roof.hbm_copy_gbs, slow.total_us / stream_us);

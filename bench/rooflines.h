@@ -16,9 +16,10 @@ struct Rooflines {
   double hbm_copy_gbs = 0;  // 2 GiB device-to-device copy, read + write bytes
 };
 
-// Median over `iters` timed runs (after 3 warm-up runs) on the current device: the two dense
-// GEMMs of an expert FFN over `rows` rows (M = rows, one weight set), and the copy.
-Status measure_rooflines(int64_t rows, int64_t hidden, int64_t intermediate, int iters,
-                         Rooflines* out);
+// Median over `iters` timed runs after `warmup` runs (the layer's own counts, so both see the
+// same clocks) on the current device: the two dense GEMMs of an expert FFN over `rows` rows
+// (M = rows, one weight set, random operands at the layer's scales), and the copy.
+Status measure_rooflines(int64_t rows, int64_t hidden, int64_t intermediate, int warmup,
+                         int iters, Rooflines* out);
 
 }  // namespace epflow::bench

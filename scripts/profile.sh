@@ -16,7 +16,7 @@ scripts/build.sh >/dev/null
 build/epflow-bench --preset "$preset" --tokens "$tokens" --iters 3 --warmup 2 --baselines none \
   --trace "$out/trace" >"$out/trace-bench.log"
 python3 bench/trace_summary.py "$out"/trace-*.csv --png "$out/trace.png" | tee "$out/trace.md"
-ncu --kernel-name regex:forward_megakernel --launch-skip 2 --launch-count 1 --set full \
+ncu --clock-control none --kernel-name regex:forward_megakernel --launch-skip 2 --launch-count 1 --set full \
   -f -o "$out/megakernel" \
   build/epflow-bench --preset "$preset" --tokens "$tokens" --ep 1 --iters 1 --warmup 2 \
   --baselines none >"$out/ncu.log" 2>&1

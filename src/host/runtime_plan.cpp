@@ -17,7 +17,8 @@ Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   if (Status s = validate(c); !s.ok()) return s;
   LayerPlan p;
   p.sm_count = sm_count;
-  p.comm_sms = c.comm_sms > 0 ? c.comm_sms : std::min(kDefaultCommSms, sm_count / 4);
+  const int32_t default_comm = c.ep_size > 2 ? kDefaultCommSmsManyRanks : kDefaultCommSms;
+  p.comm_sms = c.comm_sms > 0 ? c.comm_sms : std::min(default_comm, sm_count / 4);
   if (p.comm_sms < 1 || p.comm_sms >= sm_count)
     return invalid_argument("comm_sms (", p.comm_sms, ") must leave at least one of the device's ",
                             sm_count, " SMs for compute");

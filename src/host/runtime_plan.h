@@ -29,9 +29,12 @@ struct LayerPlan {
 };
 
 // Default communication SMs. NOTES: MoK tuned 24 of 148 SMs for BF16 forward. Measured here
-// (docs/benchmarks.md, knob sweep, DeepSeek-V3 shape, EP 2, 2xH200): 16 is within 3% of the
-// best of 8..32 at 512 and 2048 tokens/rank; at 8192, 8..12 were a few % faster.
-inline constexpr int32_t kDefaultCommSms = 16;
+// (docs/benchmarks.md, knob sweep, DeepSeek-V3 shape, EP 2, 2xH200, cdf9839): 8 was within 1% of
+// the best of 8..32 at 512 and 2048 tokens/rank and among the best at 8192 (16: within 3% at
+// 512 and 2048, 5-10% behind at 8192); the communication SMs idle 60% of the time at 16. With
+// more ranks a larger share of the rows crosses NVLink: 16 there, until EP 4/8 are measured.
+inline constexpr int32_t kDefaultCommSms = 8;
+inline constexpr int32_t kDefaultCommSmsManyRanks = 16;  // ep_size > 2
 // Default ring: this many minibatches, so dispatch runs ahead of compute and the down GEMM of
 // minibatch j can run after the gate/up GEMM of j + 1 (which needs at least 2).
 inline constexpr int32_t kDefaultRingMinibatches = 4;

@@ -38,6 +38,12 @@ struct alignas(1024) MegaSmem {
   // more tasks), and the gate/up task whose output staging w holds (-1: stop).
   int64_t stage_task[kStages];
   int64_t staged_task[2];
+  // Scheduler thread -> producer: the next claimed task (-1: none left), its tile, and when it
+  // was claimed and its waits passed (trace); "next holds a task" / "next is free".
+  uint64_t next_full, next_empty;
+  int64_t next_task;
+  gemm::TileCoord next_tile;
+  uint64_t next_taken, next_ready;
 };
 
 // Gate/up tiles: the consumers' epilogue output goes to a store thread of the producer
@@ -258,11 +264,16 @@ __device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const 
 
 // Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
 // warpgroups); two threads of the producer warpgroup store the consumers' gate/up output tiles
-// and signal them. NOTES: the producer claims compute tasks in list order from one counter
-// (dynamic, not round-robin), so tasks next to each other in the list (the row tiles sharing a
-// weight tile) start together on different SMs and share that weight tile through L2; with a
-// static split, CTAs drift apart (gate/up and down tiles differ 3.5x in length, waits differ)
-// and each re-reads weights from HBM. Claiming in list order keeps the no-deadlock argument.
+// and signal them, a third one schedules. NOTES: compute tasks are claimed in list order from one
+// counter (dynamic, not round-robin), so tasks next to each other in the list (the row tiles
+// sharing a weight tile) start together on different SMs and share that weight tile through L2;
+// with a static split, CTAs drift apart (gate/up and down tiles differ 3.5x in length, waits
+// differ) and each re-reads weights from HBM. The scheduler thread claims the next task, finds
+// its tile and passes its waits while the producer still loads the current tile (claim, the
+// expert lookup and the counter reads are ~2.5 us of dependent global accesses per task, which
+// the 4-stage lookahead did not hide). It claims only once the producer took the previous task,
+// so a CTA holds at most one task beyond the one it runs; tasks of a CTA are still taken in
+// list order, which keeps the no-deadlock argument.
 __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, const TaskShape& s,
                              MegaSmem& smem) {
   const int wg = threadIdx.x / 128;
@@ -272,25 +283,39 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
   gemm::PipelineState<kStages> ps;
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 96) {
       uint32_t* next_task = a.counters + mega::kCounters * a.ring_tiles;
-      uint64_t taken = 0, ready = 0;
-      for (int32_t traced = 0;; ++traced) {
+      for (uint32_t n = 0;; ++n) {
+        ptx::mbarrier_wait(&smem.next_empty, (n & 1) ^ 1);
         const int64_t i = atomicAdd(next_task, 1u);
+        const uint64_t taken = a.trace ? ptx::global_timer_ns() : 0;
+        if (i < tasks) {
+          const Task t = mega::compute_task(s, i);
+          smem.next_tile = tile_of(a, s, t);
+          wait_for_task(a, s, t, true);
+        }
+        smem.next_task = i < tasks ? i : -1;
+        smem.next_taken = taken;
+        smem.next_ready = a.trace ? ptx::global_timer_ns() : 0;
+        ptx::mbarrier_arrive(&smem.next_full);  // release: the fields above, and the waits
         if (i >= tasks) break;
-        if (a.trace) taken = ptx::global_timer_ns();
-        const Task t = mega::compute_task(s, i);
-        const gemm::TileCoord c = tile_of(a, s, t);
-        wait_for_task(a, s, t, true);
-        if (a.trace) ready = ptx::global_timer_ns();
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what we waited for
-        if (t.kind == TaskKind::kGateUp)
+      }
+    } else if (threadIdx.x == 0) {
+      for (uint32_t n = 0;; ++n) {
+        ptx::mbarrier_wait(&smem.next_full, n & 1);
+        const int64_t i = smem.next_task;
+        const gemm::TileCoord c = smem.next_tile;
+        const uint64_t taken = smem.next_taken, ready = smem.next_ready;
+        ptx::mbarrier_arrive(&smem.next_empty);
+        if (i < 0) break;
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what was waited for
+        if (mega::compute_task(s, i).kind == TaskKind::kGateUp)
           gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.x, &m.x_rows,
                                                 &m.gate, &m.up, smem.stage_task, i);
         else
           gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
                                                &m.down, smem.stage_task, i);
-        trace_task(a, traced, i, t, taken, ready);
+        trace_task(a, static_cast<int32_t>(n), i, mega::compute_task(s, i), taken, ready);
       }
       // The next stage tells the consumers there is nothing more (no data: a plain arrival).
       ptx::mbarrier_wait(&smem.gemm.empty[ps.stage], ps.phase ^ 1);
@@ -364,6 +389,8 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
       ptx::mbarrier_init(&smem.staging_full[w], 1);
       ptx::mbarrier_init(&smem.staging_empty[w], 1);
     }
+    ptx::mbarrier_init(&smem.next_full, 1);
+    ptx::mbarrier_init(&smem.next_empty, 1);
     ptx::mbarrier_init_fence();
     for (const CUtensorMap* map :
          {&maps.x, &maps.x_rows, &maps.gate, &maps.up, &maps.h_out, &maps.h, &maps.h_rows,

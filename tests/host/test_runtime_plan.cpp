@@ -37,6 +37,15 @@ TEST(RuntimePlan, AutomaticDefaultsOnH200) {
   EXPECT_EQ(p.max_routed_rows, 2 * 8192 * 8 + 32 * 127);
 }
 
+TEST(RuntimePlan, MoreCommunicationSmsBeyondTwoRanks) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.ep_size = 8;
+  c.num_experts = 256;
+  LayerPlan p;
+  ASSERT_TRUE(make_plan(c, 132, &p).ok()) << make_plan(c, 132, &p).message();
+  EXPECT_EQ(p.comm_sms, kDefaultCommSmsManyRanks);
+}
+
 TEST(RuntimePlan, DefaultRingNeverExceedsWhatCanBeRouted) {
   LayerConfig c = deepseek_v3_ep2();
   c.max_tokens_per_rank = 16;
