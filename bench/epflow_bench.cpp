@@ -432,7 +432,11 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
     EPFLOW_RETURN_IF_ERROR(
         LayerInternals::forward_with_stage_events(*layer, data.args(), stream.get(), stages));
   }
-  EPFLOW_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run"));
+  if (Status s = cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run");
+      !s.ok()) {
+    const Status why = layer->device_failure();  // a timed-out wait traps: say which
+    return why.ok() ? s : error_status(why.code(), s.message(), ": ", why.message());
+  }
   EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, out));
   if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(write_trace(*layer, c.ep_rank, trace_path));
   return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);

@@ -102,6 +102,15 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       a.weights = {w[0], w[1], w[2]};
       a.y = y;
       SavedContext saved;
+      // A timed-out wait traps the megakernel (cudaErrorLaunchFailure): say which one.
+      auto sync = [&]() -> Status {
+        const cudaError_t e = cudaStreamSynchronize(stream);
+        if (e == cudaSuccess) return Status::ok_status();
+        const Status why = layer->device_failure();
+        return Status(StatusCode::kCudaError, std::string("cudaStreamSynchronize: ") +
+                                                  cudaGetErrorString(e) +
+                                                  (why.ok() ? "" : ": " + why.message()));
+      };
       if (options.cuda_graph) {
         // Two replays of one capture: the second proves the graph (barrier epochs, counters)
         // is valid to relaunch, and its output is the one checked.
@@ -116,13 +125,13 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
           EPFLOW_TRY_CUDA(cudaMemsetAsync(y, 0xFF, T_max * H * 2, stream));
           EPFLOW_TRY_CUDA(cudaGraphLaunch(exec, stream));
         }
-        EPFLOW_TRY_CUDA(cudaStreamSynchronize(stream));
+        if (Status s = sync(); !s.ok()) return s;
         EPFLOW_TRY_CUDA(cudaGraphExecDestroy(exec));
         EPFLOW_TRY_CUDA(cudaGraphDestroy(graph));
       } else {
         EPFLOW_TRY_CUDA(cudaMemset(y, 0xFF, T_max * H * 2));  // bf16 0xFFFF is NaN: unwritten shows
         if (Status s = layer->forward(a, stream, &saved); !s.ok()) return s;
-        EPFLOW_TRY_CUDA(cudaStreamSynchronize(stream));
+        if (Status s = sync(); !s.ok()) return s;
       }
       std::vector<__nv_bfloat16> yb(T * H);
       EPFLOW_TRY_CUDA(cudaMemcpy(yb.data(), y, T * H * 2, cudaMemcpyDeviceToHost));

@@ -88,6 +88,13 @@ class Layer {
   const LayerConfig& config() const;
   MemoryReport memory() const;
 
+  // Why the layer's last kernels failed, if one of its waits timed out. A wait that times out
+  // traps its kernel, which the stream then reports only as cudaErrorLaunchFailure; call this
+  // after such an error: kTimeout naming the rank, the SM partition, the task and the counter it
+  // waited for, or ok when no wait of this layer timed out. Reads host memory only (safe after
+  // the CUDA context is lost).
+  Status device_failure() const;
+
  private:
   friend struct LayerInternals;
   struct Impl;

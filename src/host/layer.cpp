@@ -415,6 +415,12 @@ Status Layer::create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr
   return Status::ok_status();
 }
 
+Status Layer::device_failure() const {
+  const kernels::MegakernelDiagnostic* d = impl_->diagnostic;
+  if (!d->set) return Status::ok_status();
+  return error_status(StatusCode::kTimeout, kernels::describe(*d));
+}
+
 Status Layer::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, args));
   return impl_->forward(args, stream, saved, nullptr);

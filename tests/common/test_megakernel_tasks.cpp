@@ -1,7 +1,7 @@
 // The forward megakernel's task lists and counter protocol (src/common/megakernel_tasks.h),
 // simulated on the CPU: P comm workers take the comm list round-robin, each in list order, Q
-// compute workers claim compute tasks one at a time in list order, a worker finishing its
-// current task only when the task's wait targets hold, in random interleavings. Proves, for many shapes (ring smaller than the table, partial minibatches,
+// compute workers claim compute tasks in list order, one ahead of the task they run, a task
+// starting only when its wait targets hold, in random interleavings. Proves, for many shapes (ring smaller than the table, partial minibatches,
 // more workers than tasks), that every task runs (no deadlock), every list holds each task once,
 // every task finds in its ring slot exactly the data of its own tile (no overwrite too early),
 // and every tile's output is pushed whole.
@@ -97,8 +97,12 @@ std::vector<Worker> deal(int64_t n, int32_t workers, Task (*task)(const TaskShap
   return w;
 }
 
-// Comm workers take the comm list round-robin (static), compute workers claim compute tasks one
-// at a time in list order from a shared counter (dynamic), as the kernel does.
+// Comm workers take the comm list round-robin (static), compute workers claim compute tasks in
+// list order from a shared counter (dynamic), as the kernel does: a compute CTA's scheduler thread
+// claims the next task as soon as its producer took the previous one and passes the next task's
+// waits while the current one still runs, so a worker holds a running task (its waits passed; it
+// finishes, signalling its counters, at any later move) and a pending one (claimed; it starts
+// once its waits hold and the running one has finished).
 void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) {
   SCOPED_TRACE(testing::Message() << "m_tiles " << s.m_tiles << " ring " << s.ring_tiles
                                   << " minibatch " << s.minibatch_tiles << " n " << s.n_gate_up
@@ -123,36 +127,33 @@ void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) 
 
   Sim sim(s, seed);
   size_t next_compute = 0;
-  std::vector<int64_t> claimed(compute, -1);  // compute worker -> its claimed task, -1: idle
+  // Compute worker -> its pending (claimed) and running task, -1: none.
+  std::vector<int64_t> pending(compute, -1), running(compute, -1);
+  enum Move { kComm, kClaim, kStart, kFinish };
   for (;;) {
-    // Moves: a comm worker finishing its ready task, an idle compute worker claiming the next
-    // task, a compute worker finishing its ready claimed task.
-    std::vector<std::pair<int, size_t>> moves;  // (0 comm / 1 claim / 2 compute, worker)
+    std::vector<std::pair<Move, size_t>> moves;
     bool left = next_compute < compute_list.size();
     for (size_t i = 0; i < workers.size(); ++i) {
       const Worker& w = workers[i];
       if (w.next == w.tasks.size()) continue;
       left = true;
-      if (sim.ready(w.tasks[w.next])) moves.push_back({0, i});
+      if (sim.ready(w.tasks[w.next])) moves.push_back({kComm, i});
     }
-    for (size_t i = 0; i < claimed.size(); ++i) {
-      if (claimed[i] < 0) {
-        if (next_compute < compute_list.size()) moves.push_back({1, i});
-      } else {
-        left = true;
-        if (sim.ready(compute_list[claimed[i]])) moves.push_back({2, i});
-      }
+    for (int32_t i = 0; i < compute; ++i) {
+      if (pending[i] < 0 && next_compute < compute_list.size()) moves.push_back({kClaim, size_t(i)});
+      if (pending[i] >= 0 && running[i] < 0 && sim.ready(compute_list[pending[i]]))
+        moves.push_back({kStart, size_t(i)});
+      if (running[i] >= 0) moves.push_back({kFinish, size_t(i)});
+      left = left || pending[i] >= 0 || running[i] >= 0;
     }
     if (!left) break;
-    ASSERT_FALSE(moves.empty()) << "deadlock: no worker can finish its current task";
+    ASSERT_FALSE(moves.empty()) << "deadlock: no worker can make progress";
     const auto [kind, i] = moves[sim.rng() % moves.size()];
-    if (kind == 0) {
-      sim.run(workers[i].tasks[workers[i].next++]);
-    } else if (kind == 1) {
-      claimed[i] = static_cast<int64_t>(next_compute++);
-    } else {
-      sim.run(compute_list[claimed[i]]);
-      claimed[i] = -1;
+    switch (kind) {
+      case kComm: sim.run(workers[i].tasks[workers[i].next++]); break;
+      case kClaim: pending[i] = static_cast<int64_t>(next_compute++); break;
+      case kStart: running[i] = pending[i]; pending[i] = -1; break;
+      case kFinish: sim.run(compute_list[running[i]]); running[i] = -1; break;
     }
     if (testing::Test::HasFatalFailure()) return;
   }
