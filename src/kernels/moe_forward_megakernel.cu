@@ -188,9 +188,10 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
     uint32_t seen = 0;
     if (!ptx::wait_counter_at_least(counter_of(a, slot, w[i].counter), w[i].at_least,
                                     a.timeout_ns, &seen)) {
-      MegakernelDiagnostic* d = a.diagnostic;
-      if (atomicCAS(&d->set, 0u, 1u) == 0u) {
-        volatile MegakernelDiagnostic* v = d;
+      // NOTES: the first waiter to give up is elected in device memory (an atomic on the
+      // host-mapped record would need PCIe atomics, which a host may lack); `set` goes last.
+      if (atomicCAS(a.counters + mega::kCounters * a.ring_tiles + 1, 0u, 1u) == 0u) {
+        volatile MegakernelDiagnostic* v = a.diagnostic;
         v->rank = a.rank;
         v->cta = blockIdx.x;
         v->compute = compute;
@@ -204,6 +205,8 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
         v->want = w[i].at_least;
         v->have = seen;
         v->seconds = a.timeout_ns * 1e-9;
+        __threadfence_system();
+        v->set = 1;
         __threadfence_system();
       }
       __trap();
@@ -421,8 +424,8 @@ std::string describe(const MegakernelDiagnostic& d) {
 }
 
 size_t forward_megakernel_counter_bytes(int32_t ring_tiles) {
-  // The slots' counters, then the compute partition's task claim counter.
-  return sizeof(uint32_t) * (mega::kCounters * static_cast<size_t>(ring_tiles) + 1);
+  // The slots' counters, the compute partition's task claim counter, the timeout election.
+  return sizeof(uint32_t) * (mega::kCounters * static_cast<size_t>(ring_tiles) + 2);
 }
 
 cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& a, int32_t sm_count,

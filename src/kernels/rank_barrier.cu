@@ -34,10 +34,10 @@ __global__ void rank_barrier_kernel(BarrierArgs a) {
 
     auto* my_flag = reinterpret_cast<uint64_t*>(mine + a.layout.flags) + peer;
     cuda::atomic_ref<uint64_t, cuda::thread_scope_system> flag(*my_flag);
-    const uint64_t start = ptx::global_timer_ns();
+    ptx::WaitClock clock;
     uint64_t seen;
     while ((seen = flag.load(cuda::memory_order_acquire)) < e) {
-      if (ptx::global_timer_ns() - start > static_cast<uint64_t>(a.timeout_ns)) {
+      if (clock.expired(a.timeout_ns)) {
         printf("EPFlow: rank %d timed out after %.3f s in the %s barrier, epoch %llu: rank %d "
                "never arrived (its last epoch here: %llu)\n",
                a.rank, a.timeout_ns * 1e-9, phase_name(a.phase),

@@ -3,7 +3,8 @@
 // on each rank, T = 0 on one rank, repeated calls on one workspace, and the DeepSeek-V3 per-rank
 // shape at T = 1, 100 and 4096 (whose routed rows wrap the default ring several times). The
 // megakernel also with rings smaller than the routed rows, several SM splits and minibatch
-// sizes, and captured in a CUDA graph; the unfused chain of issue [B] on the same cases.
+// sizes, and captured in a CUDA graph; the unfused chain of issue [B] on the same cases; a
+// timed-out wait reported as an error that names it.
 #include <gtest/gtest.h>
 
 #include "gpu_test_util.h"
@@ -163,6 +164,26 @@ TEST(LayerGpu, DeepSeekV3ShapeEp1) {
 TEST(LayerGpu, DeepSeekV3ShapeEp2) {
   EPFLOW_SKIP_WITHOUT_GPUS(2);
   deepseek_v3(2);
+}
+
+// A wait that runs out of time ends the call with an error naming who waited for what, never a
+// hang: with a 1 us timeout and a ring of one tile, the dispatch of tile 1 waits for the gate/up
+// GEMM of tile 0 to finish reading the slot, which takes far longer. NOTES: the trap ends the
+// process's CUDA context, so this test comes last in the file (ctest runs each test in its own
+// process anyway).
+TEST(LayerGpu, TimedOutWaitSaysWhoWaitedForWhat) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  LayerConfig c = small_config(1, 600);
+  c.ring_rows = 128;
+  c.minibatch_rows = 128;
+  c.timeout_seconds = 1e-6;
+  const auto experts = testing::make_bf16_experts(c, 5);
+  testing::LayerRunResult result;
+  const Status s = testing::run_layer(
+      c, experts, {testing::make_call(c, {600}, Routing::kUniform, 60)}, &result);
+  ASSERT_FALSE(s.ok());
+  for (const char* part : {"rank 0 forward megakernel", "timed out after", "waited for"})
+    EXPECT_NE(s.message().find(part), std::string::npos) << s.message();
 }
 
 }  // namespace
