@@ -44,10 +44,16 @@ Status run_on_local_gpus(int world, const std::function<Status(int rank, ncclCom
     });
   }
   for (auto& t : threads) t.join();
-  for (int rank = 0; rank < world; ++rank)
-    if (!results[rank].ok())
-      return Status(results[rank].code(), concat("rank ", rank, ": ", results[rank].message()));
-  return Status::ok_status();
+  // Every failing rank: the cause is often on another rank than the first to report (a rank
+  // whose peer died times out in a barrier).
+  Status first = Status::ok_status();
+  std::string all;
+  for (int rank = 0; rank < world; ++rank) {
+    if (results[rank].ok()) continue;
+    if (first.ok()) first = results[rank];
+    all += concat(all.empty() ? "" : "; ", "rank ", rank, ": ", results[rank].message());
+  }
+  return first.ok() ? first : Status(first.code(), all);
 }
 
 }  // namespace epflow

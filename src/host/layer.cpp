@@ -421,9 +421,19 @@ Status Layer::device_failure() const {
   return error_status(StatusCode::kTimeout, kernels::describe(*d));
 }
 
+namespace {
+// A launch fails with cudaErrorLaunchFailure once an earlier kernel of the layer trapped on a
+// timed-out wait: add which wait it was.
+Status with_device_failure(const Layer& layer, Status s) {
+  if (s.ok()) return s;
+  const Status why = layer.device_failure();
+  return why.ok() ? s : error_status(why.code(), s.message(), ": ", why.message());
+}
+}  // namespace
+
 Status Layer::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, args));
-  return impl_->forward(args, stream, saved, nullptr);
+  return with_device_failure(*this, impl_->forward(args, stream, saved, nullptr));
 }
 
 Status LayerInternals::use_unfused_forward(Layer& layer, bool unfused) {
@@ -459,7 +469,7 @@ Status LayerInternals::fetch_trace(const Layer& layer,
 Status LayerInternals::forward_with_stage_events(Layer& layer, const ForwardArgs& args,
                                                  cudaStream_t stream, const StageEvents& events) {
   EPFLOW_RETURN_IF_ERROR(validate(layer.impl_->config, args));
-  return layer.impl_->forward(args, stream, nullptr, &events);
+  return with_device_failure(layer, layer.impl_->forward(args, stream, nullptr, &events));
 }
 
 Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t) {
