@@ -157,7 +157,7 @@ Status Layer::Impl::allocate() {
   const size_t x_bytes = aligned(sizeof(__nv_bfloat16) * ring_rows * c.hidden);
   const size_t h_bytes = aligned(sizeof(__nv_bfloat16) * ring_rows * c.intermediate);
   ring_counter_bytes = kernels::forward_megakernel_counter_bytes(
-      static_cast<int32_t>(ring_rows / kernels::kExpertFfnTileM));
+      static_cast<int32_t>(ring_rows / kernels::kExpertFfnTileM), sm_count);
   const size_t counter_bytes = aligned(ring_counter_bytes);
   EPFLOW_CUDA_RETURN(
       cudaMalloc(&local, schedule_bytes + small_bytes + counter_bytes + x_bytes + h_bytes));

@@ -177,6 +177,21 @@ __device__ __forceinline__ uint32_t* counter_of(const ForwardMegakernelArgs& a, 
   return a.counters + slot * mega::kCounters + static_cast<int>(c);
 }
 
+// The counters region: kCounters per ring slot, the compute task claim counter, the timeout
+// election, then (8-byte aligned) kProgressWords per CTA.
+__device__ __forceinline__ uint32_t* claim_counter(const ForwardMegakernelArgs& a) {
+  return a.counters + mega::kCounters * a.ring_tiles;
+}
+__device__ __forceinline__ volatile uint64_t* progress_of(const ForwardMegakernelArgs& a,
+                                                          int cta) {
+  const int32_t words = (mega::kCounters * a.ring_tiles + 2 + 1) / 2;
+  return reinterpret_cast<volatile uint64_t*>(a.counters) + words + cta * kProgressWords;
+}
+__device__ __forceinline__ void record_progress(const ForwardMegakernelArgs& a, int word,
+                                                int64_t task) {
+  progress_of(a, blockIdx.x)[word] = static_cast<uint64_t>(task + 1);
+}
+
 // Blocks (one thread) until the task's slot is ready; on timeout records who waited for what
 // (MegakernelDiagnostic) and traps.
 __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, const TaskShape& s,
@@ -190,7 +205,7 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
                                     a.timeout_ns, &seen)) {
       // NOTES: the first waiter to give up is elected in device memory (an atomic on the
       // host-mapped record would need PCIe atomics, which a host may lack); `set` goes last.
-      if (atomicCAS(a.counters + mega::kCounters * a.ring_tiles + 1, 0u, 1u) == 0u) {
+      if (atomicCAS(claim_counter(a) + 1, 0u, 1u) == 0u) {
         volatile MegakernelDiagnostic* v = a.diagnostic;
         v->rank = a.rank;
         v->cta = blockIdx.x;
@@ -205,6 +220,13 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
         v->want = w[i].at_least;
         v->have = seen;
         v->seconds = a.timeout_ns * 1e-9;
+        v->minibatch_tiles = s.minibatch_tiles;
+        v->n_gate_up = s.n_gate_up;
+        v->n_down = s.n_down;
+        v->comm_ctas = a.comm_ctas;
+        v->ctas = gridDim.x < kMaxDiagnosedCtas ? gridDim.x : kMaxDiagnosedCtas;
+        for (int c = 0; c < v->ctas; ++c)
+          for (int w = 0; w < kProgressWords; ++w) v->progress[c][w] = progress_of(a, c)[w];
         __threadfence_system();
         v->set = 1;
         __threadfence_system();
@@ -287,7 +309,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 96) {
-      uint32_t* next_task = a.counters + mega::kCounters * a.ring_tiles;
+      uint32_t* next_task = claim_counter(a);
       for (uint32_t n = 0;; ++n) {
         ptx::mbarrier_wait(&smem.next_empty, (n & 1) ^ 1);
         const int64_t i = atomicAdd(next_task, 1u);
@@ -318,6 +340,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         else
           gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
                                                &m.down, smem.stage_task, i);
+        record_progress(a, kProducerLoaded, i);
         trace_task(a, static_cast<int32_t>(n), i, mega::compute_task(s, i), taken, ready);
       }
       // The next stage tells the consumers there is nothing more (no data: a plain arrival).
@@ -339,6 +362,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
         ptx::signal_counter(counter_of(a, mega::ring_slot_of_tile(s, t.m_tile),
                                        mega::signalled_counter(t.kind)));
+        record_progress(a, kStoreSignalled + w, i);
       }
     }
   } else {
@@ -354,6 +378,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
       const gemm::TileCoord c = tile_of(a, s, t);
       uint32_t* counter =
           counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
+      if (tid == 0) record_progress(a, kConsumerTaken + wg - 1, i);
       if (t.kind == TaskKind::kGateUp) {
         ring.counter = counter;
         ring.task = i;
@@ -362,6 +387,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         push.counter = counter;
         gemm::consume_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, wg - 1, push);
       }
+      if (tid == 0) record_progress(a, kConsumerDone + wg - 1, i);
     }
     // Stop this warpgroup's store thread (through its staging handshake, phases kept).
     ring.acquire(wg - 1, tid);
@@ -420,12 +446,48 @@ std::string describe(const MegakernelDiagnostic& d) {
                 mega::task_name(kind), d.m_tile, d.n_tile,
                 mega::counter_name(static_cast<mega::Counter>(d.counter)), d.slot, d.want, d.have,
                 d.m_tiles, d.ring_tiles);
-  return msg;
+  std::string out = msg;
+  // Which compute CTAs were inside a task when the wait gave up (the work it waited for).
+  mega::TaskShape shape;
+  shape.m_tiles = d.m_tiles;
+  shape.ring_tiles = d.ring_tiles > 0 ? d.ring_tiles : 1;
+  shape.minibatch_tiles = d.minibatch_tiles > 0 ? d.minibatch_tiles : 1;
+  shape.n_gate_up = d.n_gate_up > 0 ? d.n_gate_up : 1;
+  shape.n_down = d.n_down > 0 ? d.n_down : 1;
+  const int64_t tasks = mega::num_compute_tasks(shape);
+  auto task_text = [&](uint64_t word) -> std::string {
+    if (word == 0) return "none";
+    const int64_t i = static_cast<int64_t>(word) - 1;
+    if (i >= tasks) return std::to_string(i) + " (out of range)";
+    const mega::Task t = mega::compute_task(shape, i);
+    return std::to_string(i) + " (" + (t.kind == mega::TaskKind::kGateUp ? "gate/up" : "down") +
+           " m " + std::to_string(t.m_tile) + " n " + std::to_string(t.n_tile) + ")";
+  };
+  int listed = 0, inside = 0;
+  for (int c = d.comm_ctas; c < d.ctas && c < kMaxDiagnosedCtas; ++c) {
+    const uint64_t* p = d.progress[c];
+    bool busy = false;
+    for (int w = 0; w < 2; ++w) busy |= p[kConsumerTaken + w] != p[kConsumerDone + w];
+    if (!busy) continue;
+    ++inside;
+    if (listed++ >= 8) continue;
+    out += "; CTA " + std::to_string(c) + ": loads issued to task " +
+           task_text(p[kProducerLoaded]);
+    for (int w = 0; w < 2; ++w)
+      out += ", warpgroup " + std::to_string(w) + " in " + task_text(p[kConsumerTaken + w]) +
+             " after " + task_text(p[kConsumerDone + w]) + ", its stores signalled " +
+             task_text(p[kStoreSignalled + w]);
+  }
+  out += inside ? "; " + std::to_string(inside) + " compute CTAs were inside a task"
+                : "; no compute CTA was inside a task";
+  return out;
 }
 
-size_t forward_megakernel_counter_bytes(int32_t ring_tiles) {
-  // The slots' counters, the compute partition's task claim counter, the timeout election.
-  return sizeof(uint32_t) * (mega::kCounters * static_cast<size_t>(ring_tiles) + 2);
+size_t forward_megakernel_counter_bytes(int32_t ring_tiles, int32_t sm_count) {
+  // The slots' counters, the compute partition's task claim counter, the timeout election
+  // (rounded up to 8 bytes), then the CTAs' progress words.
+  const size_t words32 = (mega::kCounters * static_cast<size_t>(ring_tiles) + 2 + 1) / 2 * 2;
+  return sizeof(uint32_t) * words32 + sizeof(uint64_t) * kProgressWords * sm_count;
 }
 
 cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& a, int32_t sm_count,

@@ -22,12 +22,26 @@ namespace epflow::kernels {
 // What a timed-out wait inside the megakernel leaves behind before it traps, in host-mapped
 // memory (readable by the host after the trap, without touching the dead context). NOTES: the
 // kernel cannot printf: any call in a kernel makes ptxas serialise every wgmma in it.
+// Per compute CTA, what each of its agents last got to (compute task index + 1; 0: none yet),
+// kept in device memory during the launch and copied into the diagnostic on a timeout, so the
+// message can say which CTA holds the work the waiter waited for and where it stopped.
+enum ProgressWord : int {
+  kProducerLoaded = 0,   // the producer issued every load of this task
+  kConsumerTaken = 1,    // consumer warpgroup 0 started this task (+1: warpgroup 1)
+  kConsumerDone = 3,     // consumer warpgroup 0 finished this task's epilogue (+1: warpgroup 1)
+  kStoreSignalled = 5,   // store thread 0 stored and signalled this gate/up task (+1: thread 1)
+  kProgressWords = 8,
+};
+inline constexpr int kMaxDiagnosedCtas = 160;
+
 struct MegakernelDiagnostic {
   uint32_t set;  // 0 until a wait times out; the first one to time out fills the rest
   int32_t rank, cta, compute;  // compute: 1 compute partition, 0 communication partition
   int32_t task_kind, m_tile, n_tile, counter, slot, m_tiles, ring_tiles;
+  int32_t minibatch_tiles, n_gate_up, n_down, comm_ctas, ctas;
   uint32_t want, have;
   double seconds;
+  uint64_t progress[kMaxDiagnosedCtas][kProgressWords];  // per CTA (compute CTAs only)
 };
 
 // The message of a filled diagnostic ("" when none).
@@ -70,8 +84,9 @@ struct ForwardMegakernelArgs {
   MegakernelTraceRecord* trace = nullptr;      // optional: [grid][kTraceRecordsPerCta]
 };
 
-// Bytes of counters for a ring of ring_tiles tiles.
-size_t forward_megakernel_counter_bytes(int32_t ring_tiles);
+// Bytes of counters (and per-CTA progress words) for a ring of ring_tiles tiles and sm_count
+// CTAs.
+size_t forward_megakernel_counter_bytes(int32_t ring_tiles, int32_t sm_count);
 
 // One CTA per SM (sm_count CTAs), cooperative so that every CTA is resident (the partitions
 // wait on each other). Expects the counters zeroed (cudaMemsetAsync before, stream-ordered).

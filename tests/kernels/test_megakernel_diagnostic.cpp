@@ -38,6 +38,29 @@ TEST(MegakernelDiagnostic, NamesWhoWaitedForWhat) {
     EXPECT_NE(m.find(part), std::string::npos) << "missing \"" << part << "\" in: " << m;
 }
 
+TEST(MegakernelDiagnostic, NamesTheComputeCtasInsideATask) {
+  MegakernelDiagnostic d{};
+  d.set = 1;
+  d.m_tiles = 4;
+  d.ring_tiles = 4;
+  d.minibatch_tiles = 4;
+  d.n_gate_up = 2;
+  d.n_down = 3;
+  d.comm_ctas = 1;
+  d.ctas = 3;
+  d.progress[0][kConsumerTaken] = 99;  // a communication CTA: never listed
+  d.progress[2][kProducerLoaded] = 2;  // task 1: gate/up of row tile 1, n tile 0
+  d.progress[2][kConsumerTaken] = 2;
+  d.progress[2][kConsumerDone] = 1;
+  const std::string m = describe(d);
+  EXPECT_NE(m.find("CTA 2: loads issued to task 1 (gate/up m 1 n 0)"), std::string::npos) << m;
+  EXPECT_NE(m.find("warpgroup 0 in 1 (gate/up m 1 n 0) after 0 (gate/up m 0 n 0)"),
+            std::string::npos) << m;
+  EXPECT_EQ(m.find("CTA 0:"), std::string::npos) << m;
+  EXPECT_EQ(m.find("CTA 1:"), std::string::npos) << m;
+  EXPECT_NE(m.find("1 compute CTAs were inside a task"), std::string::npos) << m;
+}
+
 TEST(MegakernelDiagnostic, CommunicationPartitionWaitingToOverwriteX) {
   MegakernelDiagnostic d{};
   d.set = 1;
