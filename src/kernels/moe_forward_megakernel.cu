@@ -230,8 +230,12 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
         __threadfence_system();
         v->set = 1;
         __threadfence_system();
+        __trap();
       }
-      __trap();
+      // NOTES: another waiter is writing the record: trapping now would end the kernel before
+      // its last write (waiters on one stuck counter give up within nanoseconds of each other,
+      // and the record was lost that way). Its trap ends this thread too.
+      for (;;) __nanosleep(1 << 20);
     }
   }
 }
