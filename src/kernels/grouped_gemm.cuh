@@ -194,9 +194,15 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   const int tid = threadIdx.x % 128;
   if (c.rows <= wg * 64) {
     // NOTES: all 64 rows are segment padding (decode-size batches): keep the pipeline's
-    // protocol (every stage consumed and released) without touching the tensor cores.
+    // protocol (every stage consumed and released) without touching the tensor cores. The
+    // warpgroup barrier before the release matters: with no wgmma to hold the four warps
+    // together, warp 0 would release stages and run on while the other warps still wait, and
+    // a warp that falls a whole ring behind waits on a reused stage's next phase of the same
+    // parity: it misses its phase and the CTA deadlocks (seen on 2xH200: the megakernel hung
+    // within 3-62 calls at 512 tokens/rank, whose small experts leave many padding halves).
     for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
       ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
+      ptx::named_barrier_sync(1 + wg, 128);
       if (tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
     }
     sink.skip(wg, tid);
