@@ -1,6 +1,7 @@
 #include "host/runtime_plan.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/routing_schedule.h"
 #include "host/status_util.h"
@@ -13,12 +14,18 @@ int64_t two_wave_minibatch_rows(const LayerConfig& c, const TileShape& tile, int
   return sched::round_up(rows, tile.m);
 }
 
+int32_t default_comm_sms(const LayerConfig& c, int32_t sm_count) {
+  const double r = 2.0 * kGemmFlopsPerComputeSm /
+                   (3.0 * static_cast<double>(c.intermediate) * kPullBytesPerCommSm);
+  const auto comm = static_cast<int32_t>(std::lround(sm_count * r / (1.0 + r)));
+  return std::max(1, std::min(std::max(comm, kMinCommSms), sm_count / 4));
+}
+
 Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   if (Status s = validate(c); !s.ok()) return s;
   LayerPlan p;
   p.sm_count = sm_count;
-  const int32_t default_comm = c.ep_size > 2 ? kDefaultCommSmsManyRanks : kDefaultCommSms;
-  p.comm_sms = c.comm_sms > 0 ? c.comm_sms : std::min(default_comm, sm_count / 4);
+  p.comm_sms = c.comm_sms > 0 ? c.comm_sms : default_comm_sms(c, sm_count);
   if (p.comm_sms < 1 || p.comm_sms >= sm_count)
     return invalid_argument("comm_sms (", p.comm_sms, ") must leave at least one of the device's ",
                             sm_count, " SMs for compute");

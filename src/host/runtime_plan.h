@@ -28,13 +28,20 @@ struct LayerPlan {
   int64_t ring_bytes = 0;       // routed x rows + SwiGLU intermediates (bf16)
 };
 
-// Default communication SMs. NOTES: MoK tuned 24 of 148 SMs for BF16 forward. Measured here
-// (docs/benchmarks.md, knob sweep, DeepSeek-V3 shape, EP 2, 2xH200, cdf9839): 8 was within 1% of
-// the best of 8..32 at 512 and 2048 tokens/rank and among the best at 8192 (16: within 3% at
-// 512 and 2048, 5-10% behind at 8192); the communication SMs idle 60% of the time at 16. With
-// more ranks a larger share of the rows crosses NVLink: 16 there, until EP 4/8 are measured.
-inline constexpr int32_t kDefaultCommSms = 8;
-inline constexpr int32_t kDefaultCommSmsManyRanks = 16;  // ep_size > 2
+// Default communication SMs: enough pull bandwidth to feed the compute partition. NOTES: a
+// routed row brings 2·H bytes and costs 6·H·I FLOPs of GEMM, so C compute SMs at R_gemm each
+// consume C·R_gemm / (3·I) bytes/s of rows, whatever H; one communication SM pulls R_pull. With a
+// 2x margin (dispatch must run ahead, and the first minibatch waits on pulls only),
+// comm = S·r / (1 + r) with r = 2·R_gemm / (3·I·R_pull), rounded, at least kMinCommSms and at
+// most a quarter of the SMs. Rates measured on 2xH200 (trace of DeepSeek-V3, 8192 tokens/rank,
+// EP 2): ~4.6 TFLOP/s per compute SM, ~18 GB/s per communication SM (128 rows of 14 KB in ~101
+// us). That gives 10 for I = 2048 (DeepSeek-V3, V4-Flash), 13 for I = 1536, 24 for I = 768
+// (Qwen3-30B-A3B, where 8 SMs starved the GEMMs: 1.3-1.4x slower than 16). MoK tuned 24 of 148
+// SMs for BF16 forward. Not yet measured beyond EP 2 (more rows cross NVLink there).
+inline constexpr double kGemmFlopsPerComputeSm = 4.6e12;
+inline constexpr double kPullBytesPerCommSm = 18e9;
+inline constexpr int32_t kMinCommSms = 8;
+int32_t default_comm_sms(const LayerConfig& config, int32_t sm_count);
 // Default ring: this many minibatches, so dispatch runs ahead of compute and the down GEMM of
 // minibatch j can run after the gate/up GEMM of j + 1 (which needs at least 2).
 inline constexpr int32_t kDefaultRingMinibatches = 4;

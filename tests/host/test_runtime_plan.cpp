@@ -29,21 +29,27 @@ TEST(RuntimePlan, TwoWaveMinibatchRule) {
 TEST(RuntimePlan, AutomaticDefaultsOnH200) {
   LayerPlan p;
   ASSERT_TRUE(make_plan(deepseek_v3_ep2(), 132, &p).ok());
-  EXPECT_EQ(p.comm_sms, kDefaultCommSms);
-  EXPECT_EQ(p.compute_sms, 132 - kDefaultCommSms);
+  EXPECT_EQ(p.comm_sms, default_comm_sms(deepseek_v3_ep2(), 132));
+  EXPECT_EQ(p.compute_sms, 132 - p.comm_sms);
   EXPECT_EQ(p.minibatch_rows % p.tile.m, 0);
   EXPECT_EQ(p.ring_rows, kDefaultRingMinibatches * p.minibatch_rows);
   EXPECT_EQ(p.ring_bytes, p.ring_rows * (7168 + 2048) * 2);
   EXPECT_EQ(p.max_routed_rows, 2 * 8192 * 8 + 32 * 127);
 }
 
-TEST(RuntimePlan, MoreCommunicationSmsBeyondTwoRanks) {
-  LayerConfig c = deepseek_v3_ep2();
-  c.ep_size = 8;
-  c.num_experts = 256;
-  LayerPlan p;
-  ASSERT_TRUE(make_plan(c, 132, &p).ok()) << make_plan(c, 132, &p).message();
-  EXPECT_EQ(p.comm_sms, kDefaultCommSmsManyRanks);
+TEST(RuntimePlan, CommunicationSmsFollowTheBytesPerFlop) {
+  // Rows cost 6·H·I FLOPs and bring 2·H bytes: a narrower expert (smaller I) needs more pulling.
+  LayerConfig c = deepseek_v3_ep2();  // I = 2048
+  EXPECT_EQ(default_comm_sms(c, 132), 10);
+  c.intermediate = 1536;  // Qwen3-235B-A22B
+  EXPECT_EQ(default_comm_sms(c, 132), 13);
+  c.intermediate = 768;   // Qwen3-30B-A3B
+  EXPECT_EQ(default_comm_sms(c, 132), 24);
+  c.intermediate = 64;    // capped at a quarter of the SMs
+  EXPECT_EQ(default_comm_sms(c, 132), 33);
+  c.intermediate = 16384;  // at least kMinCommSms
+  EXPECT_EQ(default_comm_sms(c, 132), kMinCommSms);
+  EXPECT_EQ(default_comm_sms(c, 8), 2);  // tiny GPUs: a quarter
 }
 
 TEST(RuntimePlan, DefaultRingNeverExceedsWhatCanBeRouted) {
