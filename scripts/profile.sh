@@ -2,7 +2,8 @@
 # Where does the forward megakernel spend its time? On the GPU machine, writes into OUTDIR:
 #  - trace-*.csv, trace.md, trace.png: every megakernel task of the last call (taken, ready after
 #    its counter waits, done) at EP = all GPUs, summarised by bench/trace_summary.py;
-#  - megakernel.ncu-rep: Nsight Compute's full section set for one megakernel launch at EP=1
+#  - megakernel.ncu-rep: Nsight Compute's throughput, warp-state and scheduler sections for one
+#    megakernel launch at EP=1
 #    (no cross-GPU waits, so kernel replay is safe).
 # Usage: scripts/profile.sh OUTDIR [PRESET] [TOKENS]     (default deepseek-v3, 8192)
 set -euo pipefail
@@ -16,7 +17,10 @@ scripts/build.sh >/dev/null
 build/epflow-bench --preset "$preset" --tokens "$tokens" --iters 3 --warmup 2 --baselines none \
   --trace "$out/trace" >"$out/trace-bench.log"
 python3 bench/trace_summary.py "$out"/trace-*.csv --png "$out/trace.png" | tee "$out/trace.md"
-ncu --clock-control none --kernel-name regex:forward_megakernel --launch-skip 2 --launch-count 1 --set full \
+# NOTES: --set full did not finish within 200 s on 2xH200 (2026-11-30): only the sections read.
+ncu --clock-control none --kernel-name regex:forward_megakernel --launch-skip 2 --launch-count 1 \
+  --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+  --section WarpStateStats --section SchedulerStats \
   -f -o "$out/megakernel" \
   build/epflow-bench --preset "$preset" --tokens "$tokens" --ep 1 --iters 1 --warmup 2 \
   --baselines none >"$out/ncu.log" 2>&1

@@ -54,6 +54,9 @@ struct LayerRunResult {
 struct RunOptions {
   bool unfused = false;     // the unfused chain of issue [B] instead of the megakernel
   bool cuda_graph = false;  // capture each call in a CUDA graph, then replay it twice
+  // Run each call this many times back to back (not with cuda_graph); every output must be
+  // bit-identical to the first (the layer is deterministic), which is the one returned.
+  int repeat = 1;
 };
 
 // Runs every call in order on one Layer per rank (so repeated calls reuse the workspace).
@@ -128,13 +131,21 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
         if (Status s = sync(); !s.ok()) return s;
         EPFLOW_TRY_CUDA(cudaGraphExecDestroy(exec));
         EPFLOW_TRY_CUDA(cudaGraphDestroy(graph));
-      } else {
+      }
+      std::vector<__nv_bfloat16> yb(T * H), again(T * H);
+      for (int r = 0; !options.cuda_graph && r < options.repeat; ++r) {
         EPFLOW_TRY_CUDA(cudaMemset(y, 0xFF, T_max * H * 2));  // bf16 0xFFFF is NaN: unwritten shows
         if (Status s = layer->forward(a, stream, &saved); !s.ok()) return s;
         if (Status s = sync(); !s.ok()) return s;
+        EPFLOW_TRY_CUDA(cudaMemcpy(r == 0 ? yb.data() : again.data(), y, T * H * 2,
+                                   cudaMemcpyDeviceToHost));
+        if (r > 0 && std::memcmp(yb.data(), again.data(), T * H * 2) != 0)
+          return Status(StatusCode::kInternal, "call " + std::to_string(call) + ", repeat " +
+                                                   std::to_string(r) +
+                                                   ": output differs from the first run");
       }
-      std::vector<__nv_bfloat16> yb(T * H);
-      EPFLOW_TRY_CUDA(cudaMemcpy(yb.data(), y, T * H * 2, cudaMemcpyDeviceToHost));
+      if (options.cuda_graph)
+        EPFLOW_TRY_CUDA(cudaMemcpy(yb.data(), y, T * H * 2, cudaMemcpyDeviceToHost));
       auto& out = result->y[call][rank];
       out.resize(T * H);
       for (int64_t i = 0; i < T * H; ++i) out[i] = __bfloat162float(yb[i]);
