@@ -17,15 +17,21 @@ namespace {
 using synthetic::Routing;
 using testing::CallInputs;
 
-LayerConfig small_config(int world, int64_t max_tokens) {
+// A layer of `world` ranks with `experts_per_rank` experts each.
+LayerConfig shape_config(int world, int64_t hidden, int64_t intermediate, int32_t experts_per_rank,
+                         int32_t top_k, int64_t max_tokens) {
   LayerConfig c;
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 8 * world;
-  c.top_k = 4;
+  c.hidden = hidden;
+  c.intermediate = intermediate;
+  c.num_experts = experts_per_rank * world;
+  c.top_k = top_k;
   c.ep_size = world;
   c.max_tokens_per_rank = max_tokens;
   return c;
+}
+
+LayerConfig small_config(int world, int64_t max_tokens) {
+  return shape_config(world, 256, 128, 8, 4, max_tokens);
 }
 
 #define EPFLOW_SKIP_WITHOUT_GPUS(n)                                                 \
@@ -142,13 +148,7 @@ TEST(LayerGpu, UnfusedChainMatchesReference) {
 // DeepSeek-V3 per-rank shape: H 7168, I 2048, 32 experts per rank, top-8; T = 1, 100, 4096 on
 // every rank (sampled reference check: 48 tokens per rank; every element checked as written).
 void deepseek_v3(int world) {
-  LayerConfig c;
-  c.hidden = 7168;
-  c.intermediate = 2048;
-  c.num_experts = 32 * world;
-  c.top_k = 8;
-  c.ep_size = world;
-  c.max_tokens_per_rank = 4096;
+  const LayerConfig c = shape_config(world, 7168, 2048, 32, 8, 4096);
   std::vector<CallInputs> calls;
   uint64_t seed = 100;
   for (int64_t T : {1, 100, 4096})
@@ -176,13 +176,7 @@ TEST(LayerGpu, DeepSeekV3ShapeEp2) {
 TEST(LayerGpu, ManyCallsAtSmallTokenCounts) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
   const int world = testing::device_count() >= 2 ? 2 : 1;
-  LayerConfig c;
-  c.hidden = 2048;
-  c.intermediate = 768;
-  c.num_experts = 16 * world;
-  c.top_k = 8;
-  c.ep_size = world;
-  c.max_tokens_per_rank = 512;
+  const LayerConfig c = shape_config(world, 2048, 768, 16, 8, 512);
   testing::RunOptions repeated;
   repeated.repeat = 200;
   run_and_check(c,
