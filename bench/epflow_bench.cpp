@@ -432,11 +432,9 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
     EPFLOW_RETURN_IF_ERROR(
         LayerInternals::forward_with_stage_events(*layer, data.args(), stream.get(), stages));
   }
-  if (Status s = cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run");
-      !s.ok()) {
-    const Status why = layer->device_failure();  // a timed-out wait traps: say which
-    return why.ok() ? s : error_status(why.code(), s.message(), ": ", why.message());
-  }
+  // A timed-out wait traps its kernel: say which.
+  EPFLOW_RETURN_IF_ERROR(with_device_failure(
+      *layer, cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run")));
   EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, out));
   if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(write_trace(*layer, c.ep_rank, trace_path));
   return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);

@@ -109,10 +109,9 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       auto sync = [&]() -> Status {
         const cudaError_t e = cudaStreamSynchronize(stream);
         if (e == cudaSuccess) return Status::ok_status();
-        const Status why = layer->device_failure();
-        return Status(StatusCode::kCudaError, std::string("cudaStreamSynchronize: ") +
-                                                  cudaGetErrorString(e) +
-                                                  (why.ok() ? "" : ": " + why.message()));
+        return with_device_failure(
+            *layer, Status(StatusCode::kCudaError,
+                           std::string("cudaStreamSynchronize: ") + cudaGetErrorString(e)));
       };
       if (options.cuda_graph) {
         // Two replays of one capture: the second proves the graph (barrier epochs, counters)
@@ -132,7 +131,7 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
         EPFLOW_TRY_CUDA(cudaGraphExecDestroy(exec));
         EPFLOW_TRY_CUDA(cudaGraphDestroy(graph));
       }
-      std::vector<__nv_bfloat16> yb(T * H), again(T * H);
+      std::vector<__nv_bfloat16> yb(T * H), again(options.repeat > 1 ? T * H : 0);
       for (int r = 0; !options.cuda_graph && r < options.repeat; ++r) {
         EPFLOW_TRY_CUDA(cudaMemset(y, 0xFF, T_max * H * 2));  // bf16 0xFFFF is NaN: unwritten shows
         if (Status s = layer->forward(a, stream, &saved); !s.ok()) return s;

@@ -421,7 +421,6 @@ Status Layer::device_failure() const {
   return error_status(StatusCode::kTimeout, kernels::describe(*d));
 }
 
-namespace {
 // A launch fails with cudaErrorLaunchFailure once an earlier kernel of the layer trapped on a
 // timed-out wait: add which wait it was.
 Status with_device_failure(const Layer& layer, Status s) {
@@ -429,7 +428,6 @@ Status with_device_failure(const Layer& layer, Status s) {
   const Status why = layer.device_failure();
   return why.ok() ? s : error_status(why.code(), s.message(), ": ", why.message());
 }
-}  // namespace
 
 Status Layer::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, args));

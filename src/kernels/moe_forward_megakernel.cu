@@ -338,14 +338,15 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         ptx::mbarrier_arrive(&smem.next_empty);
         if (i < 0) break;
         cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what was waited for
-        if (mega::compute_task(s, i).kind == TaskKind::kGateUp)
+        const Task t = mega::compute_task(s, i);
+        if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.x, &m.x_rows,
                                                 &m.gate, &m.up, smem.stage_task, i);
         else
           gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
                                                &m.down, smem.stage_task, i);
         record_progress(a, kProducerLoaded, i);
-        trace_task(a, static_cast<int32_t>(n), i, mega::compute_task(s, i), taken, ready);
+        trace_task(a, static_cast<int32_t>(n), i, t, taken, ready);
       }
       // The next stage tells the consumers there is nothing more (no data: a plain arrival).
       ptx::mbarrier_wait(&smem.gemm.empty[ps.stage], ps.phase ^ 1);

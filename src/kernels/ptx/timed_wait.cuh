@@ -14,12 +14,12 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Time a spin-wait has spent, immune to steps of %globaltimer. NOTES: the driver keeps the GPU's
-// global timer in step with the host's clock, so it can jump: backwards, `now - start` wraps to
-// a huge value and a healthy wait "times out" at once; forwards, it counts time nobody waited.
-// Each poll adds its own step instead, a negative step counting 0 and a step over kMaxStepNs
-// counting kMaxStepNs (a real poll step is a few microseconds), so a wait gives up after at
-// least its timeout of real time.
+// Time a spin-wait has spent, immune to steps of %globaltimer. NOTES: %globaltimer follows the
+// host's clock and is not guaranteed monotonic (a 12 s probe on 2xH200 saw no step, but nothing
+// promises that): stepped backwards, `now - start` would wrap to a huge value and a healthy wait
+// "time out" at once; forwards, it would count time nobody waited. Each poll adds its own step,
+// a negative step counting 0 and a step over kMaxStepNs counting kMaxStepNs (a real poll step is
+// a few microseconds), so a wait gives up after at least its timeout of real time.
 class WaitClock {
  public:
   static constexpr int64_t kMaxStepNs = 1000000;
