@@ -54,7 +54,7 @@ struct Options {
   std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
   bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
   // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
-  std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows;
+  std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
   std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
 };
 
@@ -62,11 +62,12 @@ void usage() {
   std::printf(
       "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
       "                    [--warmup N] [--seed S] [--json PATH] [--baselines LIST] [--check]\n"
-      "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]] [--trace PREFIX]\n"
+      "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]] [--ring-rows R[,R...]]\n"
+      "                    [--trace PREFIX]\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
-      "  --comm-sms, --minibatch-rows  also time EPFlow with each pair of these knobs\n"
-      "               (system epflow-sweep; 0 = the automatic default)\n"
+      "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
+      "               of these knobs (system epflow-sweep; 0 = the automatic default)\n"
       "  --trace PREFIX  write EPFlow's megakernel tasks of the last timed call, per rank, to\n"
       "               PREFIX-<preset>-<tokens>-rank<r>.csv (bench/trace_summary.py reads them)\n"
       "  --check      compare EPFlow's and the baselines' outputs with the CPU reference on a\n"
@@ -120,8 +121,10 @@ bool parse(int argc, char** argv, Options* o) {
       }
     } else if (a == "--trace") {
       o->trace = v;
-    } else if (a == "--comm-sms" || a == "--minibatch-rows") {
-      auto& list = a == "--comm-sms" ? o->sweep_comm_sms : o->sweep_minibatch_rows;
+    } else if (a == "--comm-sms" || a == "--minibatch-rows" || a == "--ring-rows") {
+      auto& list = a == "--comm-sms"         ? o->sweep_comm_sms
+                   : a == "--minibatch-rows" ? o->sweep_minibatch_rows
+                                             : o->sweep_ring_rows;
       for (const auto& t : split(v)) list.push_back(std::atoll(t.c_str()));
     } else {
       return false;
@@ -384,6 +387,7 @@ struct Variant {
   int32_t comm_sms = 0;
   int64_t minibatch_rows = 0;
   bool unfused = false;
+  int64_t ring_rows = 0;
 };
 
 // The megakernel's tasks of the last call, one CSV line each, times relative to the first.
@@ -414,6 +418,7 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   LayerConfig c = base;
   c.comm_sms = v.comm_sms;
   c.minibatch_rows = v.minibatch_rows;
+  c.ring_rows = v.ring_rows;
   std::unique_ptr<Layer> layer;
   EPFLOW_RETURN_IF_ERROR(Layer::create(c, comm, &layer));
   if (v.unfused) EPFLOW_RETURN_IF_ERROR(LayerInternals::use_unfused_forward(*layer, true));
@@ -661,11 +666,16 @@ int run_gpu(const Options& o, int devices) {
   const bool nccl_cublas =
       std::find(o.baselines.begin(), o.baselines.end(), kNcclCublas) != o.baselines.end();
   std::vector<Variant> variants = {Variant{"epflow"}};
-  if (!o.sweep_comm_sms.empty() || !o.sweep_minibatch_rows.empty()) {
+  if (!o.sweep_comm_sms.empty() || !o.sweep_minibatch_rows.empty() ||
+      !o.sweep_ring_rows.empty()) {
     const std::vector<int64_t> none = {0};
-    for (int64_t cs : o.sweep_comm_sms.empty() ? none : o.sweep_comm_sms)
-      for (int64_t mb : o.sweep_minibatch_rows.empty() ? none : o.sweep_minibatch_rows)
-        variants.push_back(Variant{kSweep, static_cast<int32_t>(cs), mb});
+    auto or_auto = [&](const std::vector<int64_t>& v) -> const std::vector<int64_t>& {
+      return v.empty() ? none : v;
+    };
+    for (int64_t cs : or_auto(o.sweep_comm_sms))
+      for (int64_t mb : or_auto(o.sweep_minibatch_rows))
+        for (int64_t ring : or_auto(o.sweep_ring_rows))
+          variants.push_back(Variant{kSweep, static_cast<int32_t>(cs), mb, false, ring});
   }
   if (std::find(o.baselines.begin(), o.baselines.end(), kUnfused) != o.baselines.end())
     variants.push_back(Variant{kUnfused, 0, 0, true});
@@ -802,8 +812,9 @@ int run_gpu(const Options& o, int devices) {
         const RankResult& vs = slowest(variant_results[v]);
         char label[64];
         if (variants[v].system == std::string(kSweep))
-          std::snprintf(label, sizeof label, "epflow comm %d, mb %lld", vs.plan.comm_sms,
-                        static_cast<long long>(vs.plan.minibatch_rows));
+          std::snprintf(label, sizeof label, "epflow comm %d, mb %lld, ring %lld",
+                        vs.plan.comm_sms, static_cast<long long>(vs.plan.minibatch_rows),
+                        static_cast<long long>(vs.plan.ring_rows));
         else
           std::snprintf(label, sizeof label, "%s", variants[v].system);
         print_system(label, c, vs, v == 0 ? nullptr : &slow, variant_check[v], checked.size());

@@ -68,7 +68,7 @@ def plot(runs: list[dict], title: str, out: Path) -> None:
 
 def plot_sweep(runs: list[dict], title: str, out: Path) -> None:
     """The megakernel's knob sweep: a subplot per (preset, tokens, EP), TFLOP/s per GPU against
-    communication SMs, a line per minibatch size; the automatic default as a star."""
+    communication SMs, a line per (minibatch, ring) size; the automatic default as a star."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -78,17 +78,18 @@ def plot_sweep(runs: list[dict], title: str, out: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), squeeze=False, figsize=(4.5 * len(panels), 3.8))
     for ax, (preset, tokens, ep) in zip(axes[0], panels, strict=True):
         mine = [r for r in sweep if (r["preset"], r["tokens"], r["ep"]) == (preset, tokens, ep)]
-        for mb in sorted({r["minibatch_rows"] for r in mine}):
+        for mb, ring in sorted({(r["minibatch_rows"], r.get("ring_rows", 0)) for r in mine}):
             pts = sorted((r["comm_sms"], r["layer_tflops_per_gpu"]) for r in mine
-                         if r["minibatch_rows"] == mb)
+                         if (r["minibatch_rows"], r.get("ring_rows", 0)) == (mb, ring))
             ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o",
-                    label=f"minibatch {mb} rows")
+                    label=f"minibatch {mb}, ring {ring} rows")
         for d in runs:
             if (d["system"], d["direction"], d["preset"], d["tokens"], d["ep"]) == \
                     ("epflow", "fwd", preset, tokens, ep) and "comm_sms" in d:
                 ax.plot([d["comm_sms"]], [d["layer_tflops_per_gpu"]], marker="*", markersize=14,
                         color="black", linestyle="none",
-                        label=f"default ({d['comm_sms']} SMs, {d['minibatch_rows']} rows)")
+                        label=f"default ({d['comm_sms']} SMs, {d['minibatch_rows']}, "
+                              f"{d.get('ring_rows', 0)} rows)")
         ax.set_title(f"{preset}, {tokens} tokens/rank, EP={ep}", fontsize=10)
         ax.set_xlabel("communication SMs")
         ax.set_ylabel("TFLOP/s per GPU")

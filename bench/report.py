@@ -55,20 +55,22 @@ def times(ratio, stream_us):
 
 
 def render_sweep(runs):
-    """The knob sweep: every (comm SMs, minibatch rows) pair next to the automatic default."""
+    """The knob sweep: every (comm SMs, minibatch rows, ring rows) next to the automatic
+    default."""
     defaults = {(r["preset"], r["tokens"], r["ep"]): r for r in runs
                 if r["system"] == "epflow" and r["direction"] == "fwd"}
-    print("| preset | tokens/rank | EP | comm SMs | minibatch rows | layer µs | TFLOP/s/GPU "
-          "| vs default | default: comm SMs, minibatch rows |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| preset | tokens/rank | EP | comm SMs | minibatch rows | ring rows | layer µs "
+          "| TFLOP/s/GPU | vs default | default: comm SMs, minibatch rows, ring rows |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted((r for r in runs if r["system"] == SWEEP),
                     key=lambda r: (r["preset"], r["ep"], r["tokens"], r["comm_sms"],
-                                   r["minibatch_rows"])):
+                                   r["minibatch_rows"], r["ring_rows"])):
         d = defaults.get((r["preset"], r["tokens"], r["ep"]))
         vs = f"{d['layer_us'] / r['layer_us']:.2f}x" if d else "n/a"
-        dk = f"{d['comm_sms']}, {d['minibatch_rows']}" if d else "n/a"
+        dk = f"{d['comm_sms']}, {d['minibatch_rows']}, {d['ring_rows']}" if d else "n/a"
         print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['comm_sms']} "
-              f"| {r['minibatch_rows']} | {r['layer_us']:.0f} | {r['layer_tflops_per_gpu']:.1f} "
+              f"| {r['minibatch_rows']} | {r['ring_rows']} | {r['layer_us']:.0f} "
+              f"| {r['layer_tflops_per_gpu']:.1f} "
               f"| {vs} | {dk} |")
 
 

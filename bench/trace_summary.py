@@ -47,11 +47,35 @@ def summarise(rows: list[dict]) -> None:
         print(f"| {file} | {part} | {kind} | {len(rs)} | {statistics.median(waits):.1f} / "
               f"{waits[int(0.9 * (len(waits) - 1))]:.1f} | {statistics.median(runs):.1f} "
               f"| {100 * share:.0f}% |")
-    # Span of each file's kernel, and idle time between a CTA's tasks (claiming, epilogues).
+    # Span of each file's kernel, and where the compute producers had nothing to load.
     for file in sorted({r["file"] for r in rows}):
         rs = [r for r in rows if r["file"] == file]
-        span = max(r["done_us"] for r in rs) - min(r["taken_us"] for r in rs)
-        print(f"\n{file}: megakernel span {span:.0f} µs (first task taken to last task done)")
+        start = min(r["taken_us"] for r in rs)
+        end = max(r["done_us"] for r in rs)
+        print(f"\n{file}: megakernel span {end - start:.0f} µs (first task taken to last task "
+              f"done)")
+        compute = defaultdict(list)
+        for r in rs:
+            if r["partition"] == "compute":
+                compute[r["cta"]].append(r)
+        if not compute:
+            continue
+        # NOTES: a producer can load task i once its waits passed (ready) and it issued task
+        # i - 1's loads (done): max(0, ready_i - done_{i-1}) is time its tensor cores may have
+        # run dry for want of a ready task (an upper bound: the stage ring still held work).
+        # The head is the wait for the first task; the tail is the end of the span after the
+        # CTA's last loads.
+        head, stall, tail = [], [], []
+        for tasks in compute.values():
+            tasks.sort(key=lambda r: r["ready_us"])
+            head.append(tasks[0]["ready_us"] - start)
+            stall.append(sum(max(0.0, b["ready_us"] - a["done_us"])
+                             for a, b in zip(tasks, tasks[1:])))
+            tail.append(end - tasks[-1]["done_us"])
+        n = len(compute)
+        print(f"  compute CTAs: {n}; mean per CTA: head {sum(head) / n:.0f} µs, waits between "
+              f"tasks {sum(stall) / n:.0f} µs, tail {sum(tail) / n:.0f} µs "
+              f"(of a {end - start:.0f} µs span)")
 
 
 def timeline(rows: list[dict], out: Path) -> None:

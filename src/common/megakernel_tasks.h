@@ -6,18 +6,25 @@
 // The pull table's row tiles m = 0 .. m_tiles-1 (kBlockM rows each, all inside one expert) live in
 // a ring of ring_tiles tile slots: tile m uses slot m % ring_tiles during macrobatch
 // m / ring_tiles ("round"). Three task kinds per tile:
-//   D(m)    dispatch (comm SMs): pull the tile's x rows from their source ranks into the slot;
+//   D(m)    dispatch: pull the tile's x rows from their source ranks into the slot (the head
+//           tiles, the first minibatch, in kHeadDispatchParts parts D(m, p));
 //   GU(m,n) gate/up GEMM + SwiGLU (compute SMs): h slot = swiglu(x slot, expert weights), n tile;
 //   DN(m,n) down GEMM (compute SMs): y = h slot * W_down^T, n tile, pushed from the epilogue
 //           straight into the owners' (token, k) combine slots (no y buffer, no combine task).
 // Hand-over happens through three monotonically growing counters per slot, in local memory:
-//   x_ready += 1 per D,  h_done += 1 per GU warpgroup half (2 per tile),  y_done += 2 per DN.
+//   x_ready += 1 per D (or head part),  h_done += 1 per GU warpgroup half (2 per tile),
+//   y_done += 2 per DN.
 // Each task waits for the counters below (wait_targets) before touching the slot:
 //   D(m):  h_done  >= round * 2 * n_gate_up        (the previous round's GU finished reading x)
-//   GU(m): x_ready >= round + 1                    (this round's x has arrived)
+//   GU(m): x_ready >= round + parts(slot)          (this round's x has arrived; parts(slot) =
+//                                                   kHeadDispatchParts for a head tile's slot)
 //          y_done  >= round * 2 * n_down           (the previous round's DN finished reading h)
 //   DN(m): h_done  >= (round + 1) * 2 * n_gate_up
 //
+// Head. The head tiles' dispatch parts wait for nothing (round 0): every CTA of the kernel, both
+// partitions, claims them one at a time from one counter before its own role, so the first
+// minibatch arrives at the whole GPU's pull rate instead of the communication partition's (the
+// compute SMs would idle meanwhile: ~130 us of every call at DeepSeek-V3 sizes on 2xH200).
 // Order. Comm CTAs take the comm list round-robin, each in list order; compute CTAs claim
 // compute tasks one at a time, in list order, from one counter. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
 // GU of minibatch j + 1 followed by DN of minibatch j (row tile fastest inside each, so
@@ -25,7 +32,9 @@
 // DN(j), ...) when the ring holds a single minibatch. Comm list: D(0), D(1), ... in tile order.
 // Both lists are consistent with one global order in which every task comes after all tasks it
 // waits for (docs/ARCHITECTURE.md), and tasks are taken in list order, so the earliest
-// unfinished task has always been taken by a CTA that can run it: no deadlock.
+// unfinished task has always been taken by a CTA that can run it: no deadlock. The head parts
+// come first in that order and wait for nothing; a CTA finishes every part it claimed before it
+// takes anything else.
 #pragma once
 
 #include <cstdint>
@@ -40,7 +49,17 @@ struct TaskShape {
   int32_t minibatch_tiles = 1;  // row tiles per minibatch; divides ring_tiles
   int32_t n_gate_up = 1;        // N tiles of the gate/up GEMM
   int32_t n_down = 1;           // N tiles of the down GEMM
+  int32_t head_tiles = 0;       // tiles dispatched in parts by every CTA: the first minibatch
 };
+
+// Parts of a head tile's dispatch: 16 rows each for 128-row tiles, so the first minibatch (16
+// tiles of DeepSeek-V3) is 128 parts, about one per SM of an H200.
+inline constexpr int32_t kHeadDispatchParts = 8;
+
+// The head tiles of a call: the first minibatch (at most the whole table).
+EPFLOW_HD int32_t head_tiles_of(int32_t m_tiles, int32_t minibatch_tiles) {
+  return m_tiles < minibatch_tiles ? m_tiles : minibatch_tiles;
+}
 
 enum class TaskKind : int32_t { kDispatch, kGateUp, kDown };
 
@@ -49,6 +68,10 @@ struct Task {
   int32_t m_tile;
   int32_t n_tile;  // 0 for dispatch
 };
+
+EPFLOW_HD int32_t ring_slot_of_tile(const TaskShape& s, int32_t m_tile) {
+  return m_tile % s.ring_tiles;
+}
 
 // Signals per GEMM tile: one per consumer warpgroup (each owns 64 of the 128 rows).
 inline constexpr uint32_t kSignalsPerGemmTile = 2;
@@ -107,10 +130,36 @@ EPFLOW_HD Task compute_task(const TaskShape& s, int64_t t) {
   return minibatch_task(s, TaskKind::kDown, jn - 1, u - dn);
 }
 
-EPFLOW_HD int64_t num_comm_tasks(const TaskShape& s) { return s.m_tiles; }
+// The head list, claimed by every CTA: part p of head tile m is Task{kDispatch, m, p}.
+EPFLOW_HD int64_t num_head_tasks(const TaskShape& s) {
+  return int64_t{s.head_tiles} * kHeadDispatchParts;
+}
 
-EPFLOW_HD Task comm_task(const TaskShape&, int64_t t) {
-  return Task{TaskKind::kDispatch, static_cast<int32_t>(t), 0};
+EPFLOW_HD Task head_task(const TaskShape&, int64_t t) {
+  return Task{TaskKind::kDispatch, static_cast<int32_t>(t / kHeadDispatchParts),
+              static_cast<int32_t>(t % kHeadDispatchParts)};
+}
+
+// The comm list: the tiles after the head, whole (Task{kDispatch, m, 0}).
+EPFLOW_HD int64_t num_comm_tasks(const TaskShape& s) { return s.m_tiles - s.head_tiles; }
+
+EPFLOW_HD Task comm_task(const TaskShape& s, int64_t t) {
+  return Task{TaskKind::kDispatch, s.head_tiles + static_cast<int32_t>(t), 0};
+}
+
+// Rows [*begin, *end) that dispatch task t copies of a tile whose first `rows` rows are routed
+// (the rest is segment padding): all of them, or a head part's share.
+EPFLOW_HD void dispatch_rows(const TaskShape& s, const Task& t, int32_t rows, int32_t* begin,
+                             int32_t* end) {
+  if (t.m_tile >= s.head_tiles) {
+    *begin = 0;
+    *end = rows;
+    return;
+  }
+  const int32_t per_part = (rows + kHeadDispatchParts - 1) / kHeadDispatchParts;
+  const int32_t b = t.n_tile * per_part;
+  *begin = b < rows ? b : rows;
+  *end = b + per_part < rows ? b + per_part : rows;
 }
 
 // The counters of one ring slot.
@@ -148,10 +197,14 @@ EPFLOW_HD int wait_targets(const TaskShape& s, const Task& task, WaitTarget out[
     case TaskKind::kDispatch:
       if (round > 0) out[n++] = WaitTarget{Counter::kHDone, round * gu};
       break;
-    case TaskKind::kGateUp:
-      out[n++] = WaitTarget{Counter::kXReady, round + 1};
+    case TaskKind::kGateUp: {
+      // A head tile's slot got kHeadDispatchParts signals in round 0, later tiles one each.
+      const bool head_slot = ring_slot_of_tile(s, task.m_tile) < s.head_tiles;
+      out[n++] = WaitTarget{Counter::kXReady,
+                            round + (head_slot ? uint32_t{kHeadDispatchParts} : 1u)};
       if (round > 0) out[n++] = WaitTarget{Counter::kYDone, round * dn};
       break;
+    }
     case TaskKind::kDown:
       out[n++] = WaitTarget{Counter::kHDone, (round + 1) * gu};
       break;
@@ -166,10 +219,6 @@ EPFLOW_HD Counter signalled_counter(TaskKind k) {
     case TaskKind::kGateUp: return Counter::kHDone;
     default: return Counter::kYDone;
   }
-}
-
-EPFLOW_HD int32_t ring_slot_of_tile(const TaskShape& s, int32_t m_tile) {
-  return m_tile % s.ring_tiles;
 }
 
 }  // namespace epflow::mega

@@ -44,6 +44,7 @@ struct alignas(1024) MegaSmem {
   int64_t next_task;
   gemm::TileCoord next_tile;
   uint64_t next_taken, next_ready;
+  int64_t head_claimed;  // the head dispatch part this CTA claimed (dispatch_head)
 };
 
 // Gate/up tiles: the consumers' epilogue output goes to a store thread of the producer
@@ -155,6 +156,7 @@ __device__ __forceinline__ TaskShape task_shape(const ForwardMegakernelArgs& a) 
   s.n_gate_up = (a.intermediate + gemm::kOutCols<Epilogue::kSwiGLU> - 1) /
                 gemm::kOutCols<Epilogue::kSwiGLU>;
   s.n_down = (a.hidden + gemm::kOutCols<Epilogue::kStore> - 1) / gemm::kOutCols<Epilogue::kStore>;
+  s.head_tiles = mega::head_tiles_of(s.m_tiles, s.minibatch_tiles);
   return s;
 }
 
@@ -178,13 +180,17 @@ __device__ __forceinline__ uint32_t* counter_of(const ForwardMegakernelArgs& a, 
 }
 
 // The counters region: kCounters per ring slot, the compute task claim counter, the timeout
-// election, then (8-byte aligned) kProgressWords per CTA.
+// election, the head dispatch claim counter, then (8-byte aligned) kProgressWords per CTA.
+constexpr int kClaimWords = 3;
 __device__ __forceinline__ uint32_t* claim_counter(const ForwardMegakernelArgs& a) {
   return a.counters + mega::kCounters * a.ring_tiles;
 }
+__device__ __forceinline__ uint32_t* head_claim_counter(const ForwardMegakernelArgs& a) {
+  return claim_counter(a) + 2;
+}
 __device__ __forceinline__ volatile uint64_t* progress_of(const ForwardMegakernelArgs& a,
                                                           int cta) {
-  const int32_t words = (mega::kCounters * a.ring_tiles + 2 + 1) / 2;
+  const int32_t words = (mega::kCounters * a.ring_tiles + kClaimWords + 1) / 2;
   return reinterpret_cast<volatile uint64_t*>(a.counters) + words + cta * kProgressWords;
 }
 __device__ __forceinline__ void record_progress(const ForwardMegakernelArgs& a, int word,
@@ -253,41 +259,69 @@ __device__ __forceinline__ void trace_task(const ForwardMegakernelArgs& a, int32
   r.done_ns = ptx::global_timer_ns();
 }
 
-// Communication partition: pull dispatch, every thread of the CTA copying rows, a warp per row.
-__device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s) {
+// Dispatch task t, every thread of the CTA: copies its rows (a warp per row) into the ring and
+// signals the slot's x_ready (thread 0, which also traces it as the CTA's record n).
+__device__ __forceinline__ void pull_rows(const ForwardMegakernelArgs& a, const TaskShape& s,
+                                          const Task& t, int64_t i, int32_t n, uint64_t taken,
+                                          uint64_t ready) {
   constexpr int kWarps = gemm::kThreads / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t vecs = int64_t{a.hidden} * 2 / 16;
+  const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
+  int32_t begin = 0, end = 0;
+  mega::dispatch_rows(s, t, tile_of(a, s, t).rows, &begin, &end);
+  for (int32_t r = begin + warp; r < end; r += kWarps) {
+    const sched::PullRow src = a.table[int64_t{t.m_tile} * kBlockM + r];
+    const int64_t token = src.src_slot / a.top_k;
+    warp_copy_row<kCommUnroll>(
+        reinterpret_cast<const int4*>(a.peers.base[src.src_rank] + a.x_offset +
+                                      token * a.hidden * 2),
+        reinterpret_cast<int4*>(a.ring_x + (int64_t{slot} * kBlockM + r) * a.hidden), vecs,
+        lane);
+  }
+  // The gate/up GEMM reads the dispatched rows with TMA (the async proxy).
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    ptx::signal_counter(counter_of(a, slot, mega::signalled_counter(t.kind)));
+    trace_task(a, n, i, t, taken, ready);
+  }
+}
+
+// Every CTA, before its role: claims the head tiles' dispatch parts one at a time until none is
+// left (they wait for nothing). Returns how many it ran (its trace records so far).
+// NOTES: `claimed` lives in the dynamic shared memory: a static __shared__ variable would push
+// the launch past the 227 KB limit (cudaErrorInvalidValue).
+__device__ __forceinline__ int32_t dispatch_head(const ForwardMegakernelArgs& a,
+                                                 const TaskShape& s, int64_t& claimed) {
+  const int64_t tasks = mega::num_head_tasks(s);
+  int32_t n = 0;
+  for (;; ++n) {
+    if (threadIdx.x == 0) claimed = atomicAdd(head_claim_counter(a), 1u);
+    __syncthreads();
+    const int64_t i = claimed;
+    if (i >= tasks) break;
+    const uint64_t now = a.trace ? ptx::global_timer_ns() : 0;
+    pull_rows(a, s, mega::head_task(s, i), i, n, now, now);  // its __syncthreads guards `claimed`
+  }
+  return n;
+}
+
+// Communication partition after the head: the comm list's whole tiles, round-robin.
+__device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s,
+                                          int32_t traced) {
   const int64_t tasks = mega::num_comm_tasks(s);
   uint64_t taken = 0, ready = 0;
-  int32_t traced = 0;
   for (int64_t i = blockIdx.x; i < tasks; i += a.comm_ctas) {
     const Task t = mega::comm_task(s, i);
-    const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
     if (threadIdx.x == 0) {
       if (a.trace) taken = ptx::global_timer_ns();
       wait_for_task(a, s, t, false);
       if (a.trace) ready = ptx::global_timer_ns();
     }
     __syncthreads();
-    const int32_t rows = tile_of(a, s, t).rows;
-    for (int32_t r = warp; r < rows; r += kWarps) {
-      const sched::PullRow src = a.table[int64_t{t.m_tile} * kBlockM + r];
-      const int64_t token = src.src_slot / a.top_k;
-      warp_copy_row<kCommUnroll>(
-          reinterpret_cast<const int4*>(a.peers.base[src.src_rank] + a.x_offset +
-                                        token * a.hidden * 2),
-          reinterpret_cast<int4*>(a.ring_x + (int64_t{slot} * kBlockM + r) * a.hidden), vecs,
-          lane);
-    }
-    // The gate/up GEMM reads the dispatched rows with TMA (the async proxy).
-    cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      ptx::signal_counter(counter_of(a, slot, mega::signalled_counter(t.kind)));
-      trace_task(a, traced++, i, t, taken, ready);
-    }
+    pull_rows(a, s, t, i, traced++, taken, ready);
   }
 }
 
@@ -303,8 +337,8 @@ __device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const 
 // the 4-stage lookahead did not hide). It claims only once the producer took the previous task,
 // so a CTA holds at most one task beyond the one it runs; tasks of a CTA are still taken in
 // list order, which keeps the no-deadlock argument.
-__device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a, const TaskShape& s,
-                             MegaSmem& smem) {
+__device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a,
+                                             const TaskShape& s, MegaSmem& smem, int32_t traced) {
   const int wg = threadIdx.x / 128;
   const int64_t tasks = mega::num_compute_tasks(s);
   const int32_t k_gate_up = a.hidden / gemm::kBlockK, k_down = a.intermediate / gemm::kBlockK;
@@ -346,7 +380,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
           gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
                                                &m.down, smem.stage_task, i);
         record_progress(a, kProducerLoaded, i);
-        trace_task(a, static_cast<int32_t>(n), i, t, taken, ready);
+        trace_task(a, traced + static_cast<int32_t>(n), i, t, taken, ready);
       }
       // The next stage tells the consumers there is nothing more (no data: a plain arrival).
       ptx::mbarrier_wait(&smem.gemm.empty[ps.stage], ps.phase ^ 1);
@@ -410,8 +444,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   auto& smem = *reinterpret_cast<MegaSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) /
                                             1024 * 1024);
   const TaskShape s = task_shape(a);
+  const int32_t traced = dispatch_head(a, s, smem.head_claimed);
   if (blockIdx.x < a.comm_ctas) {
-    comm_role(a, s);
+    comm_role(a, s, traced);
     return;
   }
   if (threadIdx.x == 0) {
@@ -432,10 +467,11 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
       ptx::prefetch_tensor_map(map);
   }
   __syncthreads();
-  compute_role(maps, a, s, smem);
+  compute_role(maps, a, s, smem, traced);
 }
 
 constexpr size_t kSmemBytes = sizeof(MegaSmem) + 1024;  // + alignment slack
+static_assert(kSmemBytes <= 227 * 1024, "beyond the opt-in shared memory of an SM90 CTA");
 
 }  // namespace
 
@@ -489,9 +525,10 @@ std::string describe(const MegakernelDiagnostic& d) {
 }
 
 size_t forward_megakernel_counter_bytes(int32_t ring_tiles, int32_t sm_count) {
-  // The slots' counters, the compute partition's task claim counter, the timeout election
-  // (rounded up to 8 bytes), then the CTAs' progress words.
-  const size_t words32 = (mega::kCounters * static_cast<size_t>(ring_tiles) + 2 + 1) / 2 * 2;
+  // The slots' counters, the compute partition's task claim counter, the timeout election, the
+  // head dispatch claim counter (rounded up to 8 bytes), then the CTAs' progress words.
+  const size_t words32 =
+      (mega::kCounters * static_cast<size_t>(ring_tiles) + kClaimWords + 1) / 2 * 2;
   return sizeof(uint32_t) * words32 + sizeof(uint64_t) * kProgressWords * sm_count;
 }
 

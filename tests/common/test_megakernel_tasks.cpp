@@ -1,5 +1,6 @@
 // The forward megakernel's task lists and counter protocol (src/common/megakernel_tasks.h),
-// simulated on the CPU: P comm workers take the comm list round-robin, each in list order, Q
+// simulated on the CPU: every worker first claims head dispatch parts from a shared counter until
+// none is left, then P comm workers take the comm list round-robin, each in list order, Q
 // compute workers claim compute tasks in list order, one ahead of the task they run, a task
 // starting only when its wait targets hold, in random interleavings. Proves, for many shapes (ring smaller than the table, partial minibatches,
 // more workers than tasks), that every task runs (no deadlock), every list holds each task once,
@@ -27,6 +28,7 @@ struct Worker {
 // Which tile's data each ring slot holds, per buffer; -1 = never written.
 struct RingContents {
   std::vector<int32_t> x, h_written;
+  std::vector<int32_t> x_parts;  // dispatch tasks that wrote the slot's current tile
   // h is written tile by tile in n slices, then read by the tile's down slices: count both.
   std::vector<int32_t> h_slices, y_slices;
   std::vector<int32_t> pushed;  // per tile: down slices pushed to the owners
@@ -41,6 +43,7 @@ struct Sim {
   explicit Sim(const TaskShape& shape, uint32_t seed) : s(shape), rng(seed) {
     counters.assign(s.ring_tiles, {0, 0, 0});
     ring.x.assign(s.ring_tiles, -1);
+    ring.x_parts.assign(s.ring_tiles, 0);
     ring.h_written.assign(s.ring_tiles, -1);
     ring.h_slices.assign(s.ring_tiles, 0);
     ring.y_slices.assign(s.ring_tiles, 0);
@@ -62,12 +65,19 @@ struct Sim {
     auto& c = counters[slot];
     switch (t.kind) {
       case TaskKind::kDispatch:
-        // Overwriting x is only safe once every GU of the previous tile in this slot is done.
-        if (ring.x[slot] >= 0) ASSERT_EQ(ring.h_slices[slot], s.n_gate_up) << "x overwritten early";
-        ring.x[slot] = t.m_tile;
+        if (ring.x[slot] != t.m_tile) {
+          // Overwriting x is only safe once every GU of the previous tile in this slot is done.
+          if (ring.x[slot] >= 0)
+            ASSERT_EQ(ring.h_slices[slot], s.n_gate_up) << "x overwritten early";
+          ring.x[slot] = t.m_tile;
+          ring.x_parts[slot] = 0;
+        }
+        ++ring.x_parts[slot];
         break;
       case TaskKind::kGateUp:
         ASSERT_EQ(ring.x[slot], t.m_tile) << "GU read another tile's x";
+        ASSERT_EQ(ring.x_parts[slot], t.m_tile < s.head_tiles ? kHeadDispatchParts : 1)
+            << "GU ran before all of its x rows arrived";
         if (ring.h_written[slot] != t.m_tile) {
           // First slice of this tile's h: the previous tile's DN must all be done with h.
           if (ring.h_written[slot] >= 0) ASSERT_EQ(ring.y_slices[slot], s.n_down);
@@ -103,7 +113,8 @@ std::vector<Worker> deal(int64_t n, int32_t workers, Task (*task)(const TaskShap
 // waits while the current one still runs, so a worker holds a running task (its waits passed; it
 // finishes, signalling its counters, at any later move) and a pending one (claimed; it starts
 // once its waits hold and the running one has finished).
-void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) {
+void simulate(TaskShape s, int32_t comm, int32_t compute, uint32_t seed) {
+  s.head_tiles = head_tiles_of(s.m_tiles, s.minibatch_tiles);  // as the kernel sets it
   SCOPED_TRACE(testing::Message() << "m_tiles " << s.m_tiles << " ring " << s.ring_tiles
                                   << " minibatch " << s.minibatch_tiles << " n " << s.n_gate_up
                                   << "/" << s.n_down << " workers " << comm << "+" << compute
@@ -117,9 +128,14 @@ void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) 
   for (const Worker& w : workers)
     for (const Task& t : w.tasks) seen.insert({static_cast<int>(t.kind), t.m_tile, t.n_tile});
   for (const Task& t : compute_list) seen.insert({static_cast<int>(t.kind), t.m_tile, t.n_tile});
+  for (int64_t t = 0; t < num_head_tasks(s); ++t) {
+    const Task h = head_task(s, t);
+    seen.insert({static_cast<int>(h.kind), h.m_tile, h.n_tile});
+  }
   std::multiset<std::tuple<int, int32_t, int32_t>> want;
   for (int32_t m = 0; m < s.m_tiles; ++m) {
-    want.insert({static_cast<int>(TaskKind::kDispatch), m, 0});
+    for (int32_t p = 0; p < (m < s.head_tiles ? kHeadDispatchParts : 1); ++p)
+      want.insert({static_cast<int>(TaskKind::kDispatch), m, p});
     for (int32_t n = 0; n < s.n_gate_up; ++n) want.insert({static_cast<int>(TaskKind::kGateUp), m, n});
     for (int32_t n = 0; n < s.n_down; ++n) want.insert({static_cast<int>(TaskKind::kDown), m, n});
   }
@@ -127,19 +143,28 @@ void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) 
 
   Sim sim(s, seed);
   size_t next_compute = 0;
+  int64_t next_head = 0;
+  // Per worker (comm workers, then compute workers): still in the head phase.
+  std::vector<bool> in_head(comm + compute, true);
   // Compute worker -> its pending (claimed) and running task, -1: none.
   std::vector<int64_t> pending(compute, -1), running(compute, -1);
-  enum Move { kComm, kClaim, kStart, kFinish };
+  enum Move { kHead, kComm, kClaim, kStart, kFinish };
   for (;;) {
     std::vector<std::pair<Move, size_t>> moves;
     bool left = next_compute < compute_list.size();
+    for (size_t i = 0; i < in_head.size(); ++i)
+      if (in_head[i]) moves.push_back({kHead, i});
     for (size_t i = 0; i < workers.size(); ++i) {
       const Worker& w = workers[i];
       if (w.next == w.tasks.size()) continue;
       left = true;
-      if (sim.ready(w.tasks[w.next])) moves.push_back({kComm, i});
+      if (!in_head[i] && sim.ready(w.tasks[w.next])) moves.push_back({kComm, i});
     }
     for (int32_t i = 0; i < compute; ++i) {
+      if (in_head[comm + i]) {
+        left = true;
+        continue;
+      }
       if (pending[i] < 0 && next_compute < compute_list.size()) moves.push_back({kClaim, size_t(i)});
       if (pending[i] >= 0 && running[i] < 0 && sim.ready(compute_list[pending[i]]))
         moves.push_back({kStart, size_t(i)});
@@ -150,6 +175,12 @@ void simulate(const TaskShape& s, int32_t comm, int32_t compute, uint32_t seed) 
     ASSERT_FALSE(moves.empty()) << "deadlock: no worker can make progress";
     const auto [kind, i] = moves[sim.rng() % moves.size()];
     switch (kind) {
+      case kHead:  // a head part waits for nothing: claimed and run in one move
+        if (next_head < num_head_tasks(s))
+          sim.run(head_task(s, next_head++));
+        else
+          in_head[i] = false;
+        break;
       case kComm: sim.run(workers[i].tasks[workers[i].next++]); break;
       case kClaim: pending[i] = static_cast<int64_t>(next_compute++); break;
       case kStart: running[i] = pending[i]; pending[i] = -1; break;
@@ -187,12 +218,40 @@ TEST(MegakernelTasks, EmptyTableHasNoTasks) {
   EXPECT_EQ(num_comm_tasks(s), 0);
 }
 
-TEST(MegakernelTasks, CommListDispatchesInTileOrder) {
-  const TaskShape s{7, 2, 1, 1, 1};
-  ASSERT_EQ(num_comm_tasks(s), 7);
-  for (int64_t t = 0; t < 7; ++t) {
+TEST(MegakernelTasks, HeadPartsThenCommListInTileOrder) {
+  TaskShape s{7, 4, 2, 1, 1};
+  s.head_tiles = head_tiles_of(s.m_tiles, s.minibatch_tiles);
+  ASSERT_EQ(s.head_tiles, 2);
+  ASSERT_EQ(num_head_tasks(s), 2 * kHeadDispatchParts);
+  for (int64_t t = 0; t < num_head_tasks(s); ++t) {
+    const Task h = head_task(s, t);
+    EXPECT_EQ(h.kind, TaskKind::kDispatch);
+    EXPECT_EQ(h.m_tile, t / kHeadDispatchParts);
+    EXPECT_EQ(h.n_tile, t % kHeadDispatchParts);
+  }
+  ASSERT_EQ(num_comm_tasks(s), 5);
+  for (int64_t t = 0; t < 5; ++t) {
     EXPECT_EQ(comm_task(s, t).kind, TaskKind::kDispatch);
-    EXPECT_EQ(comm_task(s, t).m_tile, t);
+    EXPECT_EQ(comm_task(s, t).m_tile, t + 2);
+  }
+  EXPECT_EQ(head_tiles_of(1, 4), 1);
+}
+
+TEST(MegakernelTasks, DispatchPartsCoverTheTileOnce) {
+  TaskShape s{3, 2, 1, 1, 1};
+  s.head_tiles = 1;
+  for (int32_t tile_rows : {128, 100, 7}) {
+    std::vector<int> hits(tile_rows, 0);
+    for (int32_t p = 0; p < kHeadDispatchParts; ++p) {
+      int32_t b = 0, e = 0;
+      dispatch_rows(s, Task{TaskKind::kDispatch, 0, p}, tile_rows, &b, &e);
+      for (int32_t r = b; r < e; ++r) ++hits[r];
+    }
+    for (int32_t r = 0; r < tile_rows; ++r) EXPECT_EQ(hits[r], 1) << "row " << r;
+    int32_t b = -1, e = -1;
+    dispatch_rows(s, Task{TaskKind::kDispatch, 1, 0}, tile_rows, &b, &e);
+    EXPECT_EQ(b, 0);
+    EXPECT_EQ(e, tile_rows);
   }
 }
 
