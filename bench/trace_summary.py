@@ -56,15 +56,17 @@ def summarise(rows: list[dict]) -> None:
               f"done)")
         compute = defaultdict(list)
         for r in rs:
-            if r["partition"] == "compute":
+            # GEMM tasks only: a compute CTA's first records are the head dispatch parts it
+            # pulled, which count as its head.
+            if r["partition"] == "compute" and r["kind"] != "dispatch":
                 compute[r["cta"]].append(r)
         if not compute:
             continue
         # NOTES: a producer can load task i once its waits passed (ready) and it issued task
         # i - 1's loads (done): max(0, ready_i - done_{i-1}) is time its tensor cores may have
         # run dry for want of a ready task (an upper bound: the stage ring still held work).
-        # The head is the wait for the first task; the tail is the end of the span after the
-        # CTA's last loads.
+        # The head is the time to the first GEMM task's waits passing (the first minibatch's
+        # dispatch); the tail is the end of the span after the CTA's last loads.
         head, stall, tail = [], [], []
         for tasks in compute.values():
             tasks.sort(key=lambda r: r["ready_us"])
