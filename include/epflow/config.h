@@ -21,6 +21,8 @@ const char* to_string(DType dtype);
 // Limits the kernels are built for. Checked by validate(); see README "Limits".
 struct Limits {
   static constexpr int64_t kHiddenMultiple = 64;        // H: TMA box / wgmma K step
+  // H: the megakernel's dispatch keeps whole x rows in flight in a CTA's shared memory (224 KB).
+  static constexpr int64_t kMaxHidden = 32768;
   static constexpr int64_t kIntermediateMultiple = 64;  // I: K step of the down GEMM
   static constexpr int32_t kMaxTopK = 16;
   static constexpr int32_t kMaxEpSize = 72;             // one NVLink domain (NVL72)

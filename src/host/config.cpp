@@ -30,6 +30,9 @@ Status validate(const LayerConfig& c) {
   if (c.hidden <= 0 || c.hidden % Limits::kHiddenMultiple != 0)
     return invalid_argument("hidden (", c.hidden, ") must be a positive multiple of ",
                             Limits::kHiddenMultiple, " (TMA box / wgmma K step)");
+  if (c.hidden > Limits::kMaxHidden)
+    return invalid_argument("hidden (", c.hidden, ") exceeds ", Limits::kMaxHidden,
+                            " (the dispatch keeps whole rows in a CTA's shared memory)");
   if (c.intermediate <= 0 || c.intermediate % Limits::kIntermediateMultiple != 0)
     return invalid_argument("intermediate (", c.intermediate, ") must be a positive multiple of ",
                             Limits::kIntermediateMultiple, " (K step of the down GEMM)");

@@ -34,13 +34,15 @@ struct LayerPlan {
 // 2x margin (dispatch must run ahead, and the first minibatch waits on pulls only),
 // comm = S·r / (1 + r) with r = 2·R_gemm / (3·I·R_pull), rounded, at least kMinCommSms and at
 // most a quarter of the SMs. Rates measured on 2xH200 (trace of DeepSeek-V3, 8192 tokens/rank,
-// EP 2): ~4.6 TFLOP/s per compute SM, ~18 GB/s per communication SM (128 rows of 14 KB in ~101
-// us). That gives 10 for I = 2048 (DeepSeek-V3, V4-Flash), 13 for I = 1536, 24 for I = 768
-// (Qwen3-30B-A3B, where 8 SMs starved the GEMMs: 1.3-1.4x slower than 16). MoK tuned 24 of 148
-// SMs for BF16 forward. Not yet measured beyond EP 2 (more rows cross NVLink there).
+// EP 2): ~4.6 TFLOP/s per compute SM, ~31 GB/s per communication SM with the bulk-copy dispatch
+// (128 rows of 14 KB in ~59 us; it was ~18 GB/s with register copies). That gives 6 for I = 2048
+// (DeepSeek-V3, V4-Flash), 8 for I = 1536, 15 for I = 768 (Qwen3-30B-A3B): in a sweep of 4..16
+// SMs over the four presets at 512/2048/8192 tokens/rank (2026-11-30) the best points were 4-6,
+// 6-8 and 8-16 SMs, and these defaults within a few % of them. MoK tuned 24 of 148 SMs for BF16
+// forward. Not yet measured beyond EP 2 (more rows cross NVLink there).
 inline constexpr double kGemmFlopsPerComputeSm = 4.6e12;
-inline constexpr double kPullBytesPerCommSm = 18e9;
-inline constexpr int32_t kMinCommSms = 8;
+inline constexpr double kPullBytesPerCommSm = 31e9;
+inline constexpr int32_t kMinCommSms = 4;
 int32_t default_comm_sms(const LayerConfig& config, int32_t sm_count);
 // Default ring: this many minibatches, so dispatch runs ahead of compute and the down GEMM of
 // minibatch j can run after the gate/up GEMM of j + 1 (which needs at least 2).

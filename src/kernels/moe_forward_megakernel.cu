@@ -2,6 +2,7 @@
 // argument that no wait can deadlock: src/common/megakernel_tasks.h and docs/ARCHITECTURE.md.
 #include <cuda.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <string>
 
@@ -9,7 +10,6 @@
 #include "kernels/grouped_gemm.cuh"
 #include "kernels/moe_forward_megakernel.cuh"
 #include "kernels/ptx/timed_wait.cuh"
-#include "kernels/warp_row_copy.cuh"
 
 namespace epflow::kernels {
 
@@ -24,10 +24,15 @@ using mega::TaskShape;
 // NOTES: the down GEMM pushes its outputs from registers (no staging), so only the gate/up
 // epilogue stages in shared memory: 4 x 48 KB of A/B tiles + 2 x 16 KB staging = 224 KB of 227.
 constexpr int kStages = 4;
-// NOTES: a communication SM pulls rows for the whole compute partition, so each lane keeps 16
-// 16-byte loads in flight (8 KB per warp, 96 KB per SM): a 7168-wide bf16 row is 2 NVLink round
-// trips. Copying the tail vector by vector (13 round trips per row) measured ~10 GB/s per SM.
-constexpr int kCommUnroll = 16;
+// Dispatch moves each x row as two bulk copies (TMA) through a row buffer in shared memory: the
+// source (local HBM or a peer over NVLink) into the buffer, the buffer into the ring. Up to
+// kPullWarps warps per CTA (lane 0 of each issues) keep up to kMaxPullRows rows in flight, in
+// the GEMM's stage memory, which no GEMM uses before the CTA's dispatch is done (communication
+// CTAs never run GEMMs; compute CTAs dispatch the head before their role). NOTES: register
+// copies (a warp per row, 16 loads of 16 B in flight per lane, 96 KB per SM) pulled ~18 GB/s of
+// peer rows per SM inside the kernel and ~20 GB/s in a probe; bulk copies ~45 GB/s in the probe.
+constexpr int kMaxPullRows = 64;
+constexpr int kPullWarps = 4;
 
 struct alignas(1024) MegaSmem {
   gemm::GemmSmem<kStages, gemm::kStagingBytes<Epilogue::kSwiGLU>> gemm;
@@ -44,7 +49,8 @@ struct alignas(1024) MegaSmem {
   int64_t next_task;
   gemm::TileCoord next_tile;
   uint64_t next_taken, next_ready;
-  int64_t head_claimed;  // the head dispatch part this CTA claimed (dispatch_head)
+  uint64_t pull_full[kMaxPullRows];  // dispatch row buffer i holds its row
+  int64_t head_claimed;              // the head dispatch part thread 0 claimed, for its CTA
 };
 
 // Gate/up tiles: the consumers' epilogue output goes to a store thread of the producer
@@ -259,58 +265,140 @@ __device__ __forceinline__ void trace_task(const ForwardMegakernelArgs& a, int32
   r.done_ns = ptx::global_timer_ns();
 }
 
-// Dispatch task t, every thread of the CTA: copies its rows (a warp per row) into the ring and
-// signals the slot's x_ready (thread 0, which also traces it as the CTA's record n).
+// One dispatching warp's share of the CTA's row buffers (lane 0 issues its copies). A row's
+// bytes are H * 2 (multiple of 128: H is a multiple of 64).
+struct RowPipe {
+  uint8_t* buf;      // slots x row_bytes of shared memory
+  uint64_t* full;    // per slot, one arrival + the row's bytes
+  uint32_t slots;    // >= 2
+  uint32_t row_bytes;
+  uint32_t seq = 0;  // rows through the pipe so far: row q uses slot q % slots, phase q / slots
+  int32_t warp;      // this warp, and how many warps of the CTA dispatch
+  int32_t warps;
+};
+
+// The dispatching warps of a CTA: kPullWarps when each gets two row buffers or more, else as
+// many as do (one at worst: Limits::kMaxHidden leaves room for three rows).
+__device__ __forceinline__ int32_t pull_warps(const ForwardMegakernelArgs& a) {
+  const int32_t fit = static_cast<int32_t>(offsetof(decltype(MegaSmem::gemm), full) /
+                                           (static_cast<size_t>(a.hidden) * 2));
+  return fit / 2 < kPullWarps ? fit / 2 : kPullWarps;
+}
+
+__device__ __forceinline__ RowPipe make_row_pipe(const ForwardMegakernelArgs& a, MegaSmem& smem,
+                                                 int32_t warp) {
+  RowPipe p;
+  p.warp = warp;
+  p.warps = pull_warps(a);
+  p.row_bytes = static_cast<uint32_t>(a.hidden) * 2;
+  const uint32_t fit = static_cast<uint32_t>(offsetof(decltype(smem.gemm), full)) / p.row_bytes;
+  const uint32_t per_warp = fit / p.warps;
+  p.slots = per_warp < kMaxPullRows / kPullWarps ? per_warp : kMaxPullRows / kPullWarps;
+  p.buf = reinterpret_cast<uint8_t*>(&smem.gemm) + size_t{p.slots} * warp * p.row_bytes;
+  p.full = smem.pull_full + p.slots * warp;
+  return p;
+}
+
+// Named barrier of a CTA's dispatching warps (the GEMM's warpgroups use ids 1 and 2, later).
+__device__ __forceinline__ void pull_warps_sync(const RowPipe& pipe) {
+  ptx::named_barrier_sync(3, 32 * pipe.warps);
+}
+
+// Dispatch task t (every dispatching warp, converged): copies its rows into the ring slot, waits
+// until they have landed and signals the slot's x_ready; thread 0 traces it as record n.
+// NOTES: row j goes to warp j % warps, which copies its rows in order through its own buffers,
+// refilling the buffer of its row j - 1 with row j - 1 + slots once row j's store is issued and
+// row j - 1's store has read it. Several warps, because each copy chain stalls on its barrier
+// waits (in a probe on 2xH200, one thread moved a row every ~0.3 us whether it held 4 or 14 KB;
+// four threads moved 4 KB rows 3x faster). The lanes read the table 32 entries at a time, so the
+// chain has no dependent global load per row.
 __device__ __forceinline__ void pull_rows(const ForwardMegakernelArgs& a, const TaskShape& s,
                                           const Task& t, int64_t i, int32_t n, uint64_t taken,
-                                          uint64_t ready) {
-  constexpr int kWarps = gemm::kThreads / 32;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t vecs = int64_t{a.hidden} * 2 / 16;
+                                          uint64_t ready, RowPipe& pipe) {
+  const int lane = threadIdx.x % 32;
   const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
   int32_t begin = 0, end = 0;
   mega::dispatch_rows(s, t, tile_of(a, s, t).rows, &begin, &end);
-  for (int32_t r = begin + warp; r < end; r += kWarps) {
-    const sched::PullRow src = a.table[int64_t{t.m_tile} * kBlockM + r];
-    const int64_t token = src.src_slot / a.top_k;
-    warp_copy_row<kCommUnroll>(
-        reinterpret_cast<const int4*>(a.peers.base[src.src_rank] + a.x_offset +
-                                      token * a.hidden * 2),
-        reinterpret_cast<int4*>(a.ring_x + (int64_t{slot} * kBlockM + r) * a.hidden), vecs,
-        lane);
+  // This warp's rows of the task: k = 0 .. mine-1 is the task's row begin + warp + k * warps.
+  const int32_t first = begin + pipe.warp;
+  const int32_t mine = end > first ? (end - first + pipe.warps - 1) / pipe.warps : 0;
+  const sched::PullRow* table = a.table + int64_t{t.m_tile} * kBlockM;
+  uint8_t* ring = reinterpret_cast<uint8_t*>(a.ring_x) + int64_t{slot} * kBlockM * pipe.row_bytes;
+  // Lane l holds the source of this warp's row window + l (loads come in increasing k).
+  int32_t window = -32;
+  uint64_t src = 0;
+  auto load = [&](int32_t k) {  // every lane (the shuffle); lane 0 issues
+    if (k >= window + 32) {
+      window = k;
+      const int32_t kk = k + lane;
+      if (kk < mine) {
+        const sched::PullRow r = table[first + kk * pipe.warps];
+        src = reinterpret_cast<uint64_t>(a.peers.base[r.src_rank] + a.x_offset) +
+              uint64_t{static_cast<uint32_t>(r.src_slot / a.top_k)} * pipe.row_bytes;
+      }
+    }
+    const uint64_t from = __shfl_sync(0xffffffffu, src, k - window);
+    if (lane != 0) return;
+    const uint32_t b = (pipe.seq + k) % pipe.slots;
+    ptx::mbarrier_arrive_expect_tx(&pipe.full[b], pipe.row_bytes);
+    ptx::bulk_load(pipe.buf + b * pipe.row_bytes, reinterpret_cast<const void*>(from),
+                   pipe.row_bytes, &pipe.full[b]);
+  };
+  const int32_t slots = static_cast<int32_t>(pipe.slots);
+  // The previous round's gate/up tiles read this slot through TMA (the async proxy), as ours.
+  if (lane == 0) cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+  for (int32_t k = 0; k < mine && k < slots; ++k) load(k);
+  for (int32_t k = 0; k < mine; ++k) {
+    const bool refill = k >= 1 && k - 1 + slots < mine;
+    if (lane == 0) {
+      const uint32_t q = pipe.seq + k;
+      ptx::mbarrier_wait(&pipe.full[q % pipe.slots], (q / pipe.slots) & 1);
+      ptx::bulk_store(ring + int64_t{first + k * pipe.warps} * pipe.row_bytes,
+                      pipe.buf + q % pipe.slots * pipe.row_bytes, pipe.row_bytes);
+      ptx::tma_store_commit();
+      if (refill) ptx::bulk_wait_read<1>();
+    }
+    __syncwarp();
+    if (refill) load(k - 1 + slots);
   }
-  // The gate/up GEMM reads the dispatched rows with TMA (the async proxy).
-  cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  pipe.seq += static_cast<uint32_t>(mine);
+  if (lane == 0) {
+    // The gate/up GEMM reads the dispatched rows with TMA loads once the counter says so.
+    ptx::tma_store_wait_all();
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
     __threadfence();
+  }
+  pull_warps_sync(pipe);
+  if (threadIdx.x == 0) {
     ptx::signal_counter(counter_of(a, slot, mega::signalled_counter(t.kind)));
     trace_task(a, n, i, t, taken, ready);
   }
 }
 
-// Every CTA, before its role: claims the head tiles' dispatch parts one at a time until none is
-// left (they wait for nothing). Returns how many it ran (its trace records so far).
-// NOTES: `claimed` lives in the dynamic shared memory: a static __shared__ variable would push
-// the launch past the 227 KB limit (cudaErrorInvalidValue).
+// Every CTA, before its role (the dispatching warps): claims the head tiles' dispatch parts one
+// at a time until none is left (they wait for nothing). Returns how many it ran (its trace
+// records so far).
 __device__ __forceinline__ int32_t dispatch_head(const ForwardMegakernelArgs& a,
-                                                 const TaskShape& s, int64_t& claimed) {
+                                                 const TaskShape& s, RowPipe& pipe,
+                                                 volatile int64_t& claimed) {
   const int64_t tasks = mega::num_head_tasks(s);
   int32_t n = 0;
   for (;; ++n) {
     if (threadIdx.x == 0) claimed = atomicAdd(head_claim_counter(a), 1u);
-    __syncthreads();
+    pull_warps_sync(pipe);
     const int64_t i = claimed;
     if (i >= tasks) break;
     const uint64_t now = a.trace ? ptx::global_timer_ns() : 0;
-    pull_rows(a, s, mega::head_task(s, i), i, n, now, now);  // its __syncthreads guards `claimed`
+    // Its closing barrier also orders this read of `claimed` before the next claim.
+    pull_rows(a, s, mega::head_task(s, i), i, n, now, now, pipe);
   }
   return n;
 }
 
-// Communication partition after the head: the comm list's whole tiles, round-robin.
+// Communication partition after the head (the dispatching warps): the comm list's whole tiles,
+// round-robin.
 __device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s,
-                                          int32_t traced) {
+                                          int32_t traced, RowPipe& pipe) {
   const int64_t tasks = mega::num_comm_tasks(s);
   uint64_t taken = 0, ready = 0;
   for (int64_t i = blockIdx.x; i < tasks; i += a.comm_ctas) {
@@ -320,8 +408,8 @@ __device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const 
       wait_for_task(a, s, t, false);
       if (a.trace) ready = ptx::global_timer_ns();
     }
-    __syncthreads();
-    pull_rows(a, s, t, i, traced++, taken, ready);
+    pull_warps_sync(pipe);
+    pull_rows(a, s, t, i, traced++, taken, ready, pipe);
   }
 }
 
@@ -444,11 +532,23 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   auto& smem = *reinterpret_cast<MegaSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) /
                                             1024 * 1024);
   const TaskShape s = task_shape(a);
-  const int32_t traced = dispatch_head(a, s, smem.head_claimed);
-  if (blockIdx.x < a.comm_ctas) {
-    comm_role(a, s, traced);
-    return;
+  // The first pull_warps warps dispatch (the head, then a communication CTA's tiles); a compute
+  // CTA's other warps wait for them: the head uses the stage memory.
+  int32_t traced = 0;
+  const int32_t warp = threadIdx.x / 32;
+  if (warp < pull_warps(a)) {
+    RowPipe pipe = make_row_pipe(a, smem, warp);
+    if (threadIdx.x % 32 == 0)
+      for (uint32_t b = 0; b < pipe.slots; ++b) ptx::mbarrier_init(&pipe.full[b], 1);
+    ptx::mbarrier_init_fence();
+    traced = dispatch_head(a, s, pipe, smem.head_claimed);
+    if (blockIdx.x < a.comm_ctas) {
+      comm_role(a, s, traced, pipe);
+      return;
+    }
   }
+  if (blockIdx.x < a.comm_ctas) return;
+  __syncthreads();
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       ptx::mbarrier_init(&smem.gemm.full[i], 1);

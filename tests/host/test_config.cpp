@@ -53,6 +53,14 @@ TEST(ConfigValidate, RejectsTopKOutOfRange) {
   expect_invalid(validate(c), "top_k (17)");
 }
 
+TEST(ConfigValidate, RejectsHiddenBeyondTheDispatchRowBuffers) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.hidden = Limits::kMaxHidden;
+  EXPECT_TRUE(validate(c).ok()) << validate(c).to_string();
+  c.hidden = Limits::kMaxHidden + 64;
+  expect_invalid(validate(c), "hidden (32832) exceeds 32768");
+}
+
 TEST(ConfigValidate, RejectsExpertsNotDivisibleByEpSize) {
   LayerConfig c = deepseek_v3_ep2();
   c.num_experts = 63;

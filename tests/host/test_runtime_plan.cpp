@@ -40,16 +40,17 @@ TEST(RuntimePlan, AutomaticDefaultsOnH200) {
 TEST(RuntimePlan, CommunicationSmsFollowTheBytesPerFlop) {
   // Rows cost 6·H·I FLOPs and bring 2·H bytes: a narrower expert (smaller I) needs more pulling.
   LayerConfig c = deepseek_v3_ep2();  // I = 2048
-  EXPECT_EQ(default_comm_sms(c, 132), 10);
+  EXPECT_EQ(default_comm_sms(c, 132), 6);
   c.intermediate = 1536;  // Qwen3-235B-A22B
-  EXPECT_EQ(default_comm_sms(c, 132), 13);
+  EXPECT_EQ(default_comm_sms(c, 132), 8);
   c.intermediate = 768;   // Qwen3-30B-A3B
-  EXPECT_EQ(default_comm_sms(c, 132), 24);
+  EXPECT_EQ(default_comm_sms(c, 132), 15);
   c.intermediate = 64;    // capped at a quarter of the SMs
   EXPECT_EQ(default_comm_sms(c, 132), 33);
   c.intermediate = 16384;  // at least kMinCommSms
   EXPECT_EQ(default_comm_sms(c, 132), kMinCommSms);
   EXPECT_EQ(default_comm_sms(c, 8), 2);  // tiny GPUs: a quarter
+  EXPECT_EQ(default_comm_sms(c, 2), 1);  // and never none
 }
 
 TEST(RuntimePlan, DefaultRingNeverExceedsWhatCanBeRouted) {

@@ -71,6 +71,23 @@ __device__ __forceinline__ void tma_store_wait_read() {
 __device__ __forceinline__ void tma_store_wait_all() {
   cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});
 }
+// Bulk (non-tensor) copies of `bytes` contiguous bytes (multiple of 16, 16-byte aligned ends):
+// global (local HBM or a peer's NVLink-mapped memory) into shared memory, completion counted on
+// `bar` in bytes; and shared memory into global memory, completion by bulk group (commit/wait as
+// for tile stores).
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, smem_dst, src, bytes,
+                           bar);
+}
+__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
+  cuda::ptx::cp_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared, dst, smem_src, bytes);
+}
+// Waits until at most `pending` committed bulk groups still read shared memory.
+template <int pending>
+__device__ __forceinline__ void bulk_wait_read() {
+  cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<pending>{});
+}
 // Makes this thread's ordinary shared-memory writes visible to the async proxy (TMA, wgmma).
 __device__ __forceinline__ void fence_shared_to_async_proxy() {
   cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
