@@ -569,16 +569,19 @@ const RankResult& slowest(const std::vector<RankResult>& results) {
       [](const RankResult& a, const RankResult& b) { return a.total_us < b.total_us; });
 }
 
-// One system's run object: time and rate of the layer and its stages (the slowest rank's), the
-// NVLink traffic (a property of the routing, the same for every system), the check if one ran.
+// One system's run object: time and rate of the layer and its stages (the slowest rank's), every
+// rank's layer and stage times and computed rows (where the slowest rank's time goes: its own
+// work, or waiting for another rank), the NVLink traffic (a property of the routing, the same for
+// every system), the check if one ran.
 // Bytes of this rank's expert weights (gate, up, down; bf16): what a decode-size call streams.
 double weight_bytes(const LayerConfig& c) {
   return 3.0 * c.experts_per_rank() * c.hidden * c.intermediate * 2;
 }
 
 std::string run_json(const char* system, const bench::Preset& p, int64_t T, const LayerConfig& c,
-                     const RankResult& slow, const Check& check, const Variant* variant,
-                     const bench::Rooflines* roof = nullptr) {
+                     const std::vector<RankResult>& ranks, const Check& check,
+                     const Variant* variant, const bench::Rooflines* roof = nullptr) {
+  const RankResult& slow = slowest(ranks);
   const double flops = forward_flops(c, slow.routed_slots);
   const double ffn_flops = forward_flops(c, slow.rows_received);
   const double row_bytes = 2.0 * c.hidden;
@@ -588,6 +591,17 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
      << ", \"layer_tflops_per_gpu\": " << json_num(flops / slow.total_us * 1e-6);
   for (int st = 0; st < kStages; ++st)
     js << ", \"stage_us_" << st << "\": " << json_num(slow.stage_us[st]);
+  js << ", \"rank_layer_us\": [";
+  for (size_t r = 0; r < ranks.size(); ++r) js << (r ? ", " : "") << json_num(ranks[r].total_us);
+  js << "], \"rank_stage_us\": [";
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    js << (r ? ", [" : "[");
+    for (int st = 0; st < kStages; ++st) js << (st ? ", " : "") << json_num(ranks[r].stage_us[st]);
+    js << "]";
+  }
+  js << "], \"rank_rows_received\": [";
+  for (size_t r = 0; r < ranks.size(); ++r) js << (r ? ", " : "") << ranks[r].rows_received;
+  js << "]";
   // json_num: a stage of 0 us (no rows received) gives inf, which is not JSON.
   js << ", \"ffn_tflops_per_gpu\": " << json_num(ffn_flops / slow.stage_us[2] * 1e-6)
      << ", \"dispatch_nvlink_bytes\": " << json_num(slow.nvlink_rows_in * row_bytes)
@@ -619,7 +633,9 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
 // EPFlow's fused forward, per stage. Its events: start, schedule done, megakernel start (right
 // after), megakernel end, end; so stage 1 is empty and stage 2 is the megakernel (dispatch,
 // expert FFN and combine, overlapped).
-void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c, const RankResult& slow) {
+void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c,
+                  const std::vector<RankResult>& ranks) {
+  const RankResult& slow = slowest(ranks);
   const double flops = forward_flops(c, slow.routed_slots);
   const double ffn_flops = forward_flops(c, slow.rows_received);
   const double nvlink_bytes = (slow.nvlink_rows_in + slow.nvlink_rows_out) * 2.0 * c.hidden;
@@ -636,6 +652,13 @@ void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c, const
   std::printf("  %-26s %10.1f %12.1f %14.1f %10.1f\n", "megakernel (dispatch+FFN+combine)", mk,
               ffn_flops / mk * 1e-6, nvlink_bytes * 1e-6, nvlink_bytes / mk * 1e-3);
   std::printf("  %-26s %10.1f\n", "barrier+sum", slow.stage_us[3]);
+  if (ranks.size() < 2) return;
+  std::printf("  per rank: megakernel / barrier+sum us (rows computed):");
+  for (size_t r = 0; r < ranks.size(); ++r)
+    std::printf("%s %zu: %.1f / %.1f (%lld)", r ? "," : "", r,
+                ranks[r].stage_us[1] + ranks[r].stage_us[2], ranks[r].stage_us[3],
+                static_cast<long long>(ranks[r].rows_received));
+  std::printf("\n");
 }
 
 // A system's line of the comparison table under EPFlow's stages; `epflow` null on EPFlow's own.
@@ -778,7 +801,7 @@ int run_gpu(const Options& o, int devices) {
       }
       // The slowest rank sets the layer's time; report it, per stage too.
       const RankResult& slow = slowest(variant_results[0]);
-      print_epflow(*p, T, c, slow);
+      print_epflow(*p, T, c, variant_results[0]);
       // Yardsticks from this run, on each GPU of the run in turn with nothing else running
       // (their mean: the slowest rank sets the layer's time, and GPUs of one host clock
       // differently under load): cuBLAS dense bf16 on the same rows and the HBM copy rate
@@ -819,7 +842,8 @@ int run_gpu(const Options& o, int devices) {
           std::snprintf(label, sizeof label, "%s", variants[v].system);
         print_system(label, c, vs, v == 0 ? nullptr : &slow, variant_check[v], checked.size());
         json << (first ? "" : ",") << "\n    "
-             << run_json(variants[v].system, *p, T, c, vs, variant_check[v], &variants[v],
+             << run_json(variants[v].system, *p, T, c, variant_results[v], variant_check[v],
+                         &variants[v],
                          v == 0 && have_roof ? &roof : nullptr);
         first = false;
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
@@ -831,7 +855,7 @@ int run_gpu(const Options& o, int devices) {
         for (int st = 0; st < kStages; ++st)
           std::printf("%s %s %.1f", st ? "," : "", kStageNames[st], base.stage_us[st]);
         std::printf("\n");
-        json << ",\n    " << run_json(kNcclCublas, *p, T, c, base, base_check, nullptr);
+        json << ",\n    " << run_json(kNcclCublas, *p, T, c, base_results, base_check, nullptr);
         all_ok = all_ok && base_check.ok();
       }
     }

@@ -27,8 +27,8 @@ def render_fused(docs):
     print("| preset | tokens/rank | EP | layer µs | layer TFLOP/s/GPU | metadata+schedule µs "
           "| megakernel µs (expert TFLOP/s, NVLink GB/s) | barrier+sum µs | comm SMs "
           "| minibatch rows | ring rows (MB) | layer / cuBLAS dense | layer / weight stream "
-          "| device | commit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| per rank: megakernel / barrier+sum µs | device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for doc in docs:
         for r in doc["runs"]:
             mk = r["stage_us_1"] + r["stage_us_2"]
@@ -41,7 +41,16 @@ def render_fused(docs):
                   f"| {r['ring_rows']} ({r['ring_bytes'] * 1e-6:.0f}) "
                   f"| {pct(r.get('layer_vs_cublas_dense'), r.get('cublas_dense_tflops'))} "
                   f"| {times(r.get('layer_vs_weight_stream'), r.get('weight_stream_us'))} "
-                  f"| {doc['device']} | {doc['commit']} |")
+                  f"| {per_rank(r)} | {doc['device']} | {doc['commit']} |")
+
+
+def per_rank(r):
+    """Each rank's megakernel and barrier+sum (results since the per-rank fields exist): which
+    rank waited for which at the barrier."""
+    ranks = r.get("rank_stage_us")
+    if not ranks:
+        return "n/a"
+    return "; ".join(f"{s[1] + s[2]:.0f} / {s[3]:.0f}" for s in ranks)
 
 
 def pct(ratio, dense):
