@@ -308,9 +308,9 @@ __device__ __forceinline__ void pull_warps_sync(const RowPipe& pipe) {
 // until they have landed and signals the slot's x_ready; thread 0 traces it as record n.
 // NOTES: row j goes to warp j % warps, which copies its rows in order through its own buffers,
 // refilling the buffer of its row j - 1 with row j - 1 + slots once row j's store is issued and
-// row j - 1's store has read it. Several warps, because each copy chain stalls on its barrier
-// waits (in a probe on 2xH200, one thread moved a row every ~0.3 us whether it held 4 or 14 KB;
-// four threads moved 4 KB rows 3x faster). The lanes read the table 32 entries at a time, so the
+// row j - 1's store has read it. Several warps, because one copy chain is latency-bound (in
+// epflow-row-copy-probe on 2xH200 one chain moved a row every ~0.3 us whether it held 4 or 14 KB;
+// four chains moved 4 KB rows 3x faster). The lanes read the table 32 entries at a time, so the
 // chain has no dependent global load per row.
 __device__ __forceinline__ void pull_rows(const ForwardMegakernelArgs& a, const TaskShape& s,
                                           const Task& t, int64_t i, int32_t n, uint64_t taken,
