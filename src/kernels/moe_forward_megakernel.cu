@@ -191,6 +191,9 @@ constexpr int kClaimWords = 3;
 __device__ __forceinline__ uint32_t* claim_counter(const ForwardMegakernelArgs& a) {
   return a.counters + mega::kCounters * a.ring_tiles;
 }
+__device__ __forceinline__ uint32_t* timeout_election(const ForwardMegakernelArgs& a) {
+  return claim_counter(a) + 1;
+}
 __device__ __forceinline__ uint32_t* head_claim_counter(const ForwardMegakernelArgs& a) {
   return claim_counter(a) + 2;
 }
@@ -217,7 +220,7 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
                                     a.timeout_ns, &seen)) {
       // NOTES: the first waiter to give up is elected in device memory (an atomic on the
       // host-mapped record would need PCIe atomics, which a host may lack); `set` goes last.
-      if (atomicCAS(claim_counter(a) + 1, 0u, 1u) == 0u) {
+      if (atomicCAS(timeout_election(a), 0u, 1u) == 0u) {
         volatile MegakernelDiagnostic* v = a.diagnostic;
         v->rank = a.rank;
         v->cta = blockIdx.x;
