@@ -3,7 +3,6 @@
 // megakernel could use: bulk copies (TMA) through shared memory, issued by one thread or by
 // several warps, and register copies (a warp per row). Rows are picked at random among 8192
 // tokens. Prints µs, GB/s in total and per SM. Needs one GPU; the peer rows need two.
-#include <cuda/ptx>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -11,6 +10,9 @@
 #include <cstdlib>
 #include <random>
 #include <vector>
+
+#include "kernels/ptx/tma.cuh"
+#include "kernels/warp_row_copy.cuh"
 
 namespace {
 
@@ -40,58 +42,44 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int* mine = rows + blockIdx.x * rows_per_cta;
   uint8_t* out = dst + static_cast<size_t>(blockIdx.x) * rows_per_cta * row_bytes;
-  if (scheme == kRegister) {  // a warp per row, 16 loads of 16 B in flight per lane
-    const int vecs = row_bytes / 16;
-    for (int r = warp; r < rows_per_cta; r += kThreads / 32) {
-      const int4* s = reinterpret_cast<const int4*>(src + static_cast<size_t>(mine[r]) * row_bytes);
-      int4* d = reinterpret_cast<int4*>(out + static_cast<size_t>(r) * row_bytes);
-      for (int base = lane; base < vecs; base += 32 * 16) {
-        int4 v[16];
-#pragma unroll
-        for (int u = 0; u < 16; ++u)
-          if (base + 32 * u < vecs) v[u] = s[base + 32 * u];
-#pragma unroll
-        for (int u = 0; u < 16; ++u)
-          if (base + 32 * u < vecs) d[base + 32 * u] = v[u];
-      }
-    }
+  if (scheme == kRegister) {  // the megakernel's former copy: a warp per row, 16 x 16 B per lane
+    for (int r = warp; r < rows_per_cta; r += kThreads / 32)
+      epflow::kernels::warp_copy_row<16>(
+          reinterpret_cast<const int4*>(src + static_cast<size_t>(mine[r]) * row_bytes),
+          reinterpret_cast<int4*>(out + static_cast<size_t>(r) * row_bytes), row_bytes / 16, lane);
     return;
   }
   if (warp >= warps || lane != 0) return;
+  namespace ptx = epflow::ptx;
   const int total = min(kMaxSlots, kSmemBytes / row_bytes);
   const int slots = total / warps;
   uint8_t* buf = smem + static_cast<size_t>(warp) * slots * row_bytes;
   uint64_t* bar = full + warp * slots;
-  for (int i = 0; i < slots; ++i) cuda::ptx::mbarrier_init(&bar[i], 1);
-  cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  for (int i = 0; i < slots; ++i) ptx::mbarrier_init(&bar[i], 1);
+  ptx::mbarrier_init_fence();
   const int n = (rows_per_cta - warp + warps - 1) / warps;  // rows warp, warp + warps, ...
   auto load = [&](int k) {
     const int b = k % slots;
-    cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
-                                         cuda::ptx::space_shared, &bar[b], row_bytes);
-    cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global,
-                             buf + b * row_bytes,
-                             src + static_cast<size_t>(mine[warp + k * warps]) * row_bytes,
-                             row_bytes, &bar[b]);
+    ptx::mbarrier_arrive_expect_tx(&bar[b], row_bytes);
+    ptx::bulk_load(buf + b * row_bytes, src + static_cast<size_t>(mine[warp + k * warps]) * row_bytes,
+                   row_bytes, &bar[b]);
   };
   for (int k = 0; k < n && k < slots; ++k) load(k);
   for (int k = 0; k < n; ++k) {
-    while (!cuda::ptx::mbarrier_try_wait_parity(&bar[k % slots], (k / slots) & 1)) {
-    }
+    ptx::mbarrier_wait(&bar[k % slots], (k / slots) & 1);
     if (scheme == kBulkLoadOnly) {
       if (k + slots < n) load(k + slots);
       continue;
     }
-    cuda::ptx::cp_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared,
-                             out + static_cast<size_t>(warp + k * warps) * row_bytes,
-                             buf + (k % slots) * row_bytes, row_bytes);
-    cuda::ptx::cp_async_bulk_commit_group();
+    ptx::bulk_store(out + static_cast<size_t>(warp + k * warps) * row_bytes,
+                    buf + (k % slots) * row_bytes, row_bytes);
+    ptx::tma_store_commit();
     if (k >= 1 && k - 1 + slots < n) {  // refill the previous row's buffer once it was read
-      cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<1>{});
+      ptx::bulk_wait_read<1>();
       load(k - 1 + slots);
     }
   }
-  cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});
+  ptx::tma_store_wait_all();
 }
 
 }  // namespace
