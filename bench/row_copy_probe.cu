@@ -86,9 +86,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 int main() {
   int gpus = 0;
-  CHECK_CUDA(cudaGetDeviceCount(&gpus));
-  if (gpus < 1) {
-    std::printf("epflow-row-copy-probe: no GPU, nothing to measure\n");
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) {
+    std::printf("epflow-row-copy-probe: no CUDA device, nothing to measure\n");
     return 0;
   }
   constexpr int kTokens = 8192, kRowsPerCta = 512, kMaxCtas = 10;
