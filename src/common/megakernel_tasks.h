@@ -25,8 +25,8 @@
 // partitions, claims them one at a time from one counter before its own role, so the first
 // minibatch arrives at the whole GPU's pull rate instead of the communication partition's (the
 // compute SMs would idle meanwhile: ~130 us of every call at DeepSeek-V3 sizes on 2xH200).
-// Order. Comm CTAs take the comm list round-robin, each in list order; compute CTAs claim
-// compute tasks one at a time, in list order, from one counter. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
+// Order. Comm CTAs take the comm list round-robin, each in list order, then join the compute
+// CTAs; compute CTAs claim compute tasks one at a time, in list order, from one counter. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
 // GU of minibatch j + 1 followed by DN of minibatch j (row tile fastest inside each, so
 // concurrent CTAs share weight tiles through L2), then DN of the last; without the lag (GU(j),
 // DN(j), ...) when the ring holds a single minibatch. Comm list: D(0), D(1), ... in tile order.

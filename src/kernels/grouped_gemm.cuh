@@ -113,16 +113,23 @@ __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int3
   return c;
 }
 
+// What a megakernel's dynamic schedule tells the consumers about the tile whose first stage is
+// stage i: its task (-1: no more tasks) and the tile the producer already looked up, so the
+// consumers start their MMAs without dependent global loads of their own.
+struct StageTag {
+  int64_t task;
+  TileCoord tile;
+};
+
 template <Epilogue kEpi, int kStages, int kStaging>
 __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, const CUtensorMap* map_a,
                                              const CUtensorMap* map_a_rows,
                                              const CUtensorMap* map_b0, const CUtensorMap* map_b1,
-                                             int64_t* stage_task = nullptr,
-                                             int64_t task_id = 0) {
-  // stage_task (a megakernel's dynamic schedule): the task id is written next to the tile's
-  // first stage, for the consumers to read once that stage is full.
+                                             StageTag* stage_tag = nullptr, int64_t task_id = 0) {
+  // stage_tag (a megakernel's dynamic schedule): written next to the tile's first stage, for the
+  // consumers to read once that stage is full.
   // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
   // sizes) loads only whole 16-row boxes covering them: the rest of the A stage keeps stale
   // data, which only feeds output rows that are padding (never read: combine skips them).
@@ -132,7 +139,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
   const uint32_t bytes = a_bytes + kBlockNMma * kBlockK * 2;
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
-    if (stage_task && kb == 0) stage_task[ps.stage] = task_id;
+    if (stage_tag && kb == 0) stage_tag[ps.stage] = StageTag{task_id, c};
     uint64_t* full = &s.full[ps.stage];
     ptx::mbarrier_arrive_expect_tx(full, bytes);
     if (full_rows) {
@@ -167,9 +174,10 @@ __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const 
 // Where a consumer warpgroup's epilogue output goes. Staged sinks (kDirect = false):
 // acquire(): every thread of the warpgroup, before it writes the staging buffer; publish(): every
 // thread, once the staging is written and fenced for the async proxy. Direct sinks (kDirect,
-// kStore only) take the values from registers: begin(c, wg, tid), then write(j, half, v0, v1)
-// for columns 8j + 2q, 8j + 2q + 1 of row warp*16 + g + 8*half of the warpgroup's 64 (lane =
-// 4g + q), then end(wg, tid). skip(): every thread, in place of all of these when the
+// kStore only) take the values from registers: prepare(c, wg, tid) before the mainloop (where
+// the rows go: its loads land while the MMAs run), begin(wg, tid) once the MMAs are done, then
+// write(j, half, v0, v1) for columns 8j + 2q, 8j + 2q + 1 of row warp*16 + g + 8*half of the
+// warpgroup's 64 (lane = 4g + q). skip(): every thread, in place of all of these when the
 // warpgroup's rows are all padding (after it consumed the tile's stages).
 // DirectStoreSink: the standalone GEMM stores its tiles itself.
 template <Epilogue kEpi>
@@ -208,6 +216,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     sink.skip(wg, tid);
     return;
   }
+  if constexpr (Sink::kDirect) sink.prepare(c, wg, tid);
   float acc[kBlockNMma / 2];
   // NOTES: release stage kb-1 only after the wgmma group of kb is issued and kb-1's has
   // retired (wait_group 1): the tensor cores always have the next k-block queued.
@@ -236,13 +245,12 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
 
   if constexpr (Sink::kDirect) {
     static_assert(kEpi == Epilogue::kStore, "direct sinks take plain outputs");
-    sink.begin(c, wg, tid);
+    sink.begin(wg, tid);
 #pragma unroll
     for (int j = 0; j < kBlockNMma / 8; ++j) {
       sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
       sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
     }
-    sink.end(wg, tid);
   } else {
     // Epilogue. NOTES: thread (warp w, lane g*4+q) holds rows w*16+g (+8) and, per n8 block j,
     // columns 8j+2q+{0,1}: as bf16x2 they go to 16-byte chunk j%8 of a 128-byte staging row,

@@ -27,8 +27,8 @@ constexpr int kStages = 4;
 // Dispatch moves each x row as two bulk copies (TMA) through a row buffer in shared memory: the
 // source (local HBM or a peer over NVLink) into the buffer, the buffer into the ring. Up to
 // kPullWarps warps per CTA (lane 0 of each issues) keep up to kMaxPullRows rows in flight, in
-// the GEMM's stage memory, which no GEMM uses before the CTA's dispatch is done (communication
-// CTAs never run GEMMs; compute CTAs dispatch the head before their role). NOTES: register
+// the GEMM's stage memory, which no GEMM uses before the CTA's dispatch is done (a CTA runs GEMMs
+// only after its last dispatch task). NOTES: register
 // copies (a warp per row, 16 loads of 16 B in flight per lane, 96 KB per SM) pulled ~18 GB/s of
 // peer rows per SM inside the kernel and ~20 GB/s in a probe; bulk copies ~45 GB/s in the probe.
 constexpr int kMaxPullRows = 64;
@@ -39,9 +39,9 @@ struct alignas(1024) MegaSmem {
   // Consumer warpgroup w -> its store thread: "staging w holds a tile" / "staging w is free".
   uint64_t staging_full[2];
   uint64_t staging_empty[2];
-  // The dynamic schedule: the compute task of the tile whose first stage is stage i (-1: no
+  // The dynamic schedule: the compute task and tile whose first stage is stage i (task -1: no
   // more tasks), and the gate/up task whose output staging w holds (-1: stop).
-  int64_t stage_task[kStages];
+  gemm::StageTag stage_tag[kStages];
   int64_t staged_task[2];
   // Scheduler thread -> producer: the next claimed task (-1: none left), its tile, and when it
   // was claimed and its waits passed (trace); "next holds a task" / "next is free".
@@ -85,8 +85,11 @@ struct RingSink {
 // writer), skipping padding rows and columns past H. NOTES: a thread holds columns 8j + 2q, +1
 // of its two rows; the four lanes of a quad swap pairs so that each lane stores 16 bytes (8
 // columns) and a quad 64 contiguous bytes of a row: whole 32-byte sectors, a quarter of the
-// stores of writing bf16 pairs. The tile's counter only says its h rows were read (all its
-// stages arrived), so the warpgroup signals as soon as its writes are issued.
+// stores of writing bf16 pairs. The rows' destinations are read from the pull table before the
+// mainloop (prepare), so the epilogue starts without a dependent load. The tile's counter only
+// says its h rows were read (the MMAs are done), so the warpgroup signals before its stores:
+// the signal's release then has no stores of this tile to wait for (over NVLink, microseconds
+// in which warp 0 would hold back the warpgroup's next MMAs).
 struct PushCombineSink {
   static constexpr bool kDirect = true;
   const ForwardMegakernelArgs* a;
@@ -95,7 +98,7 @@ struct PushCombineSink {
   int32_t cols = 0;                   // columns of this n tile inside H
   int32_t q = 0;
   uint32_t pairs[2][4];  // bf16 pairs of blocks j = 4i .. 4i+3, per row half
-  __device__ __forceinline__ void begin(const gemm::TileCoord& c, int wg, int tid) {
+  __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int wg, int tid) {
     const int warp = tid / 32, g = tid % 32 / 4;
     q = tid % 4;
     cols = a->hidden - c.n_tile * gemm::kBlockNMma;
@@ -138,7 +141,7 @@ struct PushCombineSink {
         *reinterpret_cast<uint4*>(dst[h] + col * 2) = make_uint4(out[0], out[1], out[2], out[3]);
     }
   }
-  __device__ __forceinline__ void end(int, int tid) {
+  __device__ __forceinline__ void begin(int, int tid) {
     if (tid == 0) ptx::signal_counter(counter);
   }
   __device__ __forceinline__ void skip(int, int tid) {
@@ -399,9 +402,9 @@ __device__ __forceinline__ int32_t dispatch_head(const ForwardMegakernelArgs& a,
 }
 
 // Communication partition after the head (the dispatching warps): the comm list's whole tiles,
-// round-robin.
-__device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const TaskShape& s,
-                                          int32_t traced, RowPipe& pipe) {
+// round-robin. Returns the CTA's trace records so far.
+__device__ __forceinline__ int32_t comm_role(const ForwardMegakernelArgs& a, const TaskShape& s,
+                                             int32_t traced, RowPipe& pipe) {
   const int64_t tasks = mega::num_comm_tasks(s);
   uint64_t taken = 0, ready = 0;
   for (int64_t i = blockIdx.x; i < tasks; i += a.comm_ctas) {
@@ -414,6 +417,7 @@ __device__ __forceinline__ void comm_role(const ForwardMegakernelArgs& a, const 
     pull_warps_sync(pipe);
     pull_rows(a, s, t, i, traced++, taken, ready, pipe);
   }
+  return traced;
 }
 
 // Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
@@ -433,7 +437,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
   const int wg = threadIdx.x / 128;
   const int64_t tasks = mega::num_compute_tasks(s);
   const int32_t k_gate_up = a.hidden / gemm::kBlockK, k_down = a.intermediate / gemm::kBlockK;
-  volatile int64_t* stage_task = smem.stage_task;
+  volatile gemm::StageTag* stage_tag = smem.stage_tag;
   gemm::PipelineState<kStages> ps;
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
@@ -466,16 +470,16 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         const Task t = mega::compute_task(s, i);
         if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.x, &m.x_rows,
-                                                &m.gate, &m.up, smem.stage_task, i);
+                                                &m.gate, &m.up, smem.stage_tag, i);
         else
           gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
-                                               &m.down, smem.stage_task, i);
+                                               &m.down, smem.stage_tag, i);
         record_progress(a, kProducerLoaded, i);
         trace_task(a, traced + static_cast<int32_t>(n), i, t, taken, ready);
       }
       // The next stage tells the consumers there is nothing more (no data: a plain arrival).
       ptx::mbarrier_wait(&smem.gemm.empty[ps.stage], ps.phase ^ 1);
-      stage_task[ps.stage] = -1;
+      stage_tag[ps.stage].task = -1;
       ptx::mbarrier_arrive(&smem.gemm.full[ps.stage]);
     } else if (threadIdx.x == 32 || threadIdx.x == 64) {
       const int w = threadIdx.x / 32 - 1;  // the consumer warpgroup this thread stores for
@@ -502,10 +506,11 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
     PushCombineSink push{&a};
     for (;;) {
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
-      const int64_t i = stage_task[ps.stage];
+      const int64_t i = stage_tag[ps.stage].task;
       if (i < 0) break;
       const Task t = mega::compute_task(s, i);
-      const gemm::TileCoord c = tile_of(a, s, t);
+      const volatile gemm::TileCoord& tag = stage_tag[ps.stage].tile;
+      const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
       uint32_t* counter =
           counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
       if (tid == 0) record_progress(a, kConsumerTaken + wg - 1, i);
@@ -535,8 +540,12 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   auto& smem = *reinterpret_cast<MegaSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) /
                                             1024 * 1024);
   const TaskShape s = task_shape(a);
-  // The first pull_warps warps dispatch (the head, then a communication CTA's tiles); a compute
-  // CTA's other warps wait for them: the head uses the stage memory.
+  // The first pull_warps warps dispatch (the head, then a communication CTA's tiles); the CTA's
+  // other warps wait for them: dispatch uses the stage memory. NOTES: a communication CTA whose
+  // comm list is done joins the compute partition (its SM would idle for the rest of the call:
+  // the last macrobatch, or most of a call whose routed rows fit the ring). It claims compute
+  // tasks from the same counter, in list order, and owes no dispatch any more, so the
+  // no-deadlock argument is unchanged (docs/ARCHITECTURE.md).
   int32_t traced = 0;
   const int32_t warp = threadIdx.x / 32;
   if (warp < pull_warps(a)) {
@@ -545,12 +554,8 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
       for (uint32_t b = 0; b < pipe.slots; ++b) ptx::mbarrier_init(&pipe.full[b], 1);
     ptx::mbarrier_init_fence();
     traced = dispatch_head(a, s, pipe, smem.head_claimed);
-    if (blockIdx.x < a.comm_ctas) {
-      comm_role(a, s, traced, pipe);
-      return;
-    }
+    if (blockIdx.x < a.comm_ctas) traced = comm_role(a, s, traced, pipe);
   }
-  if (blockIdx.x < a.comm_ctas) return;
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -591,7 +596,8 @@ std::string describe(const MegakernelDiagnostic& d) {
                 mega::counter_name(static_cast<mega::Counter>(d.counter)), d.slot, d.want, d.have,
                 d.m_tiles, d.ring_tiles);
   std::string out = msg;
-  // Which compute CTAs were inside a task when the wait gave up (the work it waited for).
+  // Which CTAs were inside a compute task when the wait gave up (the work it waited for; a
+  // communication CTA joins the compute tasks once its dispatch is done).
   mega::TaskShape shape;
   shape.m_tiles = d.m_tiles;
   shape.ring_tiles = d.ring_tiles > 0 ? d.ring_tiles : 1;
@@ -608,7 +614,7 @@ std::string describe(const MegakernelDiagnostic& d) {
            " m " + std::to_string(t.m_tile) + " n " + std::to_string(t.n_tile) + ")";
   };
   int listed = 0, inside = 0;
-  for (int c = d.comm_ctas; c < d.ctas && c < kMaxDiagnosedCtas; ++c) {
+  for (int c = 0; c < d.ctas && c < kMaxDiagnosedCtas; ++c) {
     const uint64_t* p = d.progress[c];
     bool busy = false;
     for (int w = 0; w < 2; ++w) busy |= p[kConsumerTaken + w] != p[kConsumerDone + w];
@@ -622,8 +628,8 @@ std::string describe(const MegakernelDiagnostic& d) {
              " after " + task_text(p[kConsumerDone + w]) + ", its stores signalled " +
              task_text(p[kStoreSignalled + w]);
   }
-  out += inside ? "; " + std::to_string(inside) + " compute CTAs were inside a task"
-                : "; no compute CTA was inside a task";
+  out += inside ? "; " + std::to_string(inside) + " CTAs were inside a compute task"
+                : "; no CTA was inside a compute task";
   return out;
 }
 

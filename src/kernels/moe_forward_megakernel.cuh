@@ -22,7 +22,7 @@ namespace epflow::kernels {
 // What a timed-out wait inside the megakernel leaves behind before it traps, in host-mapped
 // memory (readable by the host after the trap, without touching the dead context). NOTES: the
 // kernel cannot printf: any call in a kernel makes ptxas serialise every wgmma in it.
-// Per compute CTA, what each of its agents last got to (compute task index + 1; 0: none yet),
+// Per CTA, what each of its compute agents last got to (compute task index + 1; 0: none yet),
 // kept in device memory during the launch and copied into the diagnostic on a timeout, so the
 // message can say which CTA holds the work the waiter waited for and where it stopped.
 enum ProgressWord : int {
@@ -41,7 +41,7 @@ struct MegakernelDiagnostic {
   int32_t minibatch_tiles, n_gate_up, n_down, comm_ctas, ctas;
   uint32_t want, have;
   double seconds;
-  uint64_t progress[kMaxDiagnosedCtas][kProgressWords];  // per CTA (compute CTAs only)
+  uint64_t progress[kMaxDiagnosedCtas][kProgressWords];  // per CTA
 };
 
 // The message of a filled diagnostic ("" when none).

@@ -112,7 +112,8 @@ std::vector<Worker> deal(int64_t n, int32_t workers, Task (*task)(const TaskShap
 // claims the next task as soon as its producer took the previous one and passes the next task's
 // waits while the current one still runs, so a worker holds a running task (its waits passed; it
 // finishes, signalling its counters, at any later move) and a pending one (claimed; it starts
-// once its waits hold and the running one has finished).
+// once its waits hold and the running one has finished). A comm worker whose comm list is done
+// claims compute tasks the same way (the kernel's communication CTAs join the compute tasks).
 void simulate(TaskShape s, int32_t comm, int32_t compute, uint32_t seed) {
   s.head_tiles = head_tiles_of(s.m_tiles, s.minibatch_tiles);  // as the kernel sets it
   SCOPED_TRACE(testing::Message() << "m_tiles " << s.m_tiles << " ring " << s.ring_tiles
@@ -146,8 +147,9 @@ void simulate(TaskShape s, int32_t comm, int32_t compute, uint32_t seed) {
   int64_t next_head = 0;
   // Per worker (comm workers, then compute workers): still in the head phase.
   std::vector<bool> in_head(comm + compute, true);
-  // Compute worker -> its pending (claimed) and running task, -1: none.
-  std::vector<int64_t> pending(compute, -1), running(compute, -1);
+  // Worker (comm workers, then compute workers) -> its pending (claimed) and running compute
+  // task, -1: none.
+  std::vector<int64_t> pending(comm + compute, -1), running(comm + compute, -1);
   enum Move { kHead, kComm, kClaim, kStart, kFinish };
   for (;;) {
     std::vector<std::pair<Move, size_t>> moves;
@@ -160,11 +162,12 @@ void simulate(TaskShape s, int32_t comm, int32_t compute, uint32_t seed) {
       left = true;
       if (!in_head[i] && sim.ready(w.tasks[w.next])) moves.push_back({kComm, i});
     }
-    for (int32_t i = 0; i < compute; ++i) {
-      if (in_head[comm + i]) {
+    for (int32_t i = 0; i < comm + compute; ++i) {
+      if (in_head[i]) {
         left = true;
         continue;
       }
+      if (i < comm && workers[i].next < workers[i].tasks.size()) continue;  // still dispatching
       if (pending[i] < 0 && next_compute < compute_list.size()) moves.push_back({kClaim, size_t(i)});
       if (pending[i] >= 0 && running[i] < 0 && sim.ready(compute_list[pending[i]]))
         moves.push_back({kStart, size_t(i)});

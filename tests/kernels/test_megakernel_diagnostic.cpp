@@ -38,7 +38,7 @@ TEST(MegakernelDiagnostic, NamesWhoWaitedForWhat) {
     EXPECT_NE(m.find(part), std::string::npos) << "missing \"" << part << "\" in: " << m;
 }
 
-TEST(MegakernelDiagnostic, NamesTheComputeCtasInsideATask) {
+TEST(MegakernelDiagnostic, NamesTheCtasInsideAComputeTask) {
   MegakernelDiagnostic d{};
   d.set = 1;
   d.m_tiles = 4;
@@ -48,7 +48,9 @@ TEST(MegakernelDiagnostic, NamesTheComputeCtasInsideATask) {
   d.n_down = 3;
   d.comm_ctas = 1;
   d.ctas = 3;
-  d.progress[0][kConsumerTaken] = 99;  // a communication CTA: never listed
+  d.progress[0][kProducerLoaded] = 3;  // a communication CTA that joined the compute tasks
+  d.progress[0][kConsumerTaken] = 3;   // task 2: gate/up of row tile 2, n tile 0
+  d.progress[0][kConsumerDone] = 3;    // done: not listed
   d.progress[2][kProducerLoaded] = 2;  // task 1: gate/up of row tile 1, n tile 0
   d.progress[2][kConsumerTaken] = 2;
   d.progress[2][kConsumerDone] = 1;
@@ -58,7 +60,7 @@ TEST(MegakernelDiagnostic, NamesTheComputeCtasInsideATask) {
             std::string::npos) << m;
   EXPECT_EQ(m.find("CTA 0:"), std::string::npos) << m;
   EXPECT_EQ(m.find("CTA 1:"), std::string::npos) << m;
-  EXPECT_NE(m.find("1 compute CTAs were inside a task"), std::string::npos) << m;
+  EXPECT_NE(m.find("1 CTAs were inside a compute task"), std::string::npos) << m;
 }
 
 TEST(MegakernelDiagnostic, CommunicationPartitionWaitingToOverwriteX) {
