@@ -56,6 +56,8 @@ struct Options {
   // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
   std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
   std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
+  // The yardsticks run on every GPU at once, as the layer does (else one GPU after the other).
+  bool yardstick_at_once = true;
 };
 
 void usage() {
@@ -63,13 +65,15 @@ void usage() {
       "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
       "                    [--warmup N] [--seed S] [--json PATH] [--baselines LIST] [--check]\n"
       "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]] [--ring-rows R[,R...]]\n"
-      "                    [--trace PREFIX]\n"
+      "                    [--trace PREFIX] [--yardstick at-once|one-by-one]\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
       "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
       "               of these knobs (system epflow-sweep; 0 = the automatic default)\n"
       "  --trace PREFIX  write EPFlow's megakernel tasks of the last timed call, per rank, to\n"
       "               PREFIX-<preset>-<tokens>-rank<r>.csv (bench/trace_summary.py reads them)\n"
+      "  --yardstick  cuBLAS dense and HBM copy yardsticks on every GPU at once, as the layer\n"
+      "               runs (default), or one GPU after the other with the others idle\n"
       "  --check      compare EPFlow's and the baselines' outputs with the CPU reference on a\n"
       "               small shape (default: preset tiny, 64 tokens, EP 2 if 2 GPUs, else 1);\n"
       "               exit 1 on a mismatch\n"
@@ -121,6 +125,9 @@ bool parse(int argc, char** argv, Options* o) {
       }
     } else if (a == "--trace") {
       o->trace = v;
+    } else if (a == "--yardstick") {
+      if (v != "at-once" && v != "one-by-one") return false;
+      o->yardstick_at_once = v == "at-once";
     } else if (a == "--comm-sms" || a == "--minibatch-rows" || a == "--ring-rows") {
       auto& list = a == "--comm-sms"         ? o->sweep_comm_sms
                    : a == "--minibatch-rows" ? o->sweep_minibatch_rows
@@ -578,9 +585,17 @@ double weight_bytes(const LayerConfig& c) {
   return 3.0 * c.experts_per_rank() * c.hidden * c.intermediate * 2;
 }
 
+// The same-run yardsticks: their mean over the GPUs (the layer's rate is per GPU), each GPU's
+// cuBLAS rate, and how they were measured.
+struct Yardsticks {
+  bench::Rooflines mean;
+  std::vector<double> dense_tflops_per_gpu;
+  bool at_once = true;
+};
+
 std::string run_json(const char* system, const bench::Preset& p, int64_t T, const LayerConfig& c,
                      const std::vector<RankResult>& ranks, const Check& check,
-                     const Variant* variant, const bench::Rooflines* roof = nullptr) {
+                     const Variant* variant, const Yardsticks* yard = nullptr) {
   const RankResult& slow = slowest(ranks);
   const double flops = forward_flops(c, slow.routed_slots);
   const double ffn_flops = forward_flops(c, slow.rows_received);
@@ -614,9 +629,14 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
          << ", \"ring_rows\": " << slow.plan.ring_rows
          << ", \"ring_bytes\": " << slow.plan.ring_bytes;
   }
-  if (roof) {
+  if (yard) {
+    const bench::Rooflines* roof = &yard->mean;
     const double stream_us = weight_bytes(c) / (roof->hbm_copy_gbs * 1e3);
-    js << ", \"cublas_dense_tflops\": " << json_num(roof->dense_tflops)
+    js << ", \"yardstick\": \"" << (yard->at_once ? "at-once" : "one-by-one")
+       << "\", \"cublas_dense_tflops_per_gpu\": [";
+    for (size_t g = 0; g < yard->dense_tflops_per_gpu.size(); ++g)
+      js << (g ? ", " : "") << json_num(yard->dense_tflops_per_gpu[g]);
+    js << "], \"cublas_dense_tflops\": " << json_num(roof->dense_tflops)
        << ", \"layer_vs_cublas_dense\": "
        << json_num(flops / slow.total_us * 1e-6 / roof->dense_tflops)
        << ", \"hbm_copy_gbs\": " << json_num(roof->hbm_copy_gbs)
@@ -755,6 +775,9 @@ int run_gpu(const Options& o, int devices) {
                                                              std::vector<std::vector<float>>(ep));
       std::vector<std::vector<float>> y_base(ep);
       std::mutex mu;
+      // Per GPU: its yardsticks (measured by its own rank thread when at once).
+      std::vector<bench::Rooflines> roof_of(ep);
+      std::vector<char> roof_ok(ep, 0);
       auto keep_times = [&mu](const RankResult& from, RankResult* to) {
         std::lock_guard<std::mutex> lock(mu);
         to->plan = from.plan;
@@ -777,10 +800,21 @@ int run_gpu(const Options& o, int devices) {
                                                    &r, &y_variant[v][rank], trace));
           keep_times(r, &variant_results[v][rank]);
         }
-        if (!nccl_cublas) return Status::ok_status();
-        EPFLOW_RETURN_IF_ERROR(
-            bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
-        keep_times(r, &base_results[rank]);
+        if (nccl_cublas) {
+          EPFLOW_RETURN_IF_ERROR(
+              bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
+          keep_times(r, &base_results[rank]);
+        }
+        // NOTES: at once, every GPU busy like during the layer. One GPU after the other, the
+        // GPUs measured later had idled (and cooled) meanwhile and ran faster under the same
+        // power cap (2xH200: the GPU measured second up to ~11% above the first, while the two
+        // GPUs' megakernels differed by ~1%; docs/benchmarks.md).
+        if (o.yardstick_at_once && !o.check)
+          roof_ok[rank] = bench::measure_rooflines(std::max<int64_t>(results[rank].rows_received,
+                                                                     128),
+                                                   rc.hidden, rc.intermediate, o.warmup, o.iters,
+                                                   &roof_of[rank])
+                              .ok();
         return Status::ok_status();
       });
       if (!s.ok()) {
@@ -802,28 +836,35 @@ int run_gpu(const Options& o, int devices) {
       // The slowest rank sets the layer's time; report it, per stage too.
       const RankResult& slow = slowest(variant_results[0]);
       print_epflow(*p, T, c, variant_results[0]);
-      // Yardsticks from this run, on each GPU of the run in turn with nothing else running
-      // (their mean: the slowest rank sets the layer's time, and GPUs of one host clock
-      // differently under load): cuBLAS dense bf16 on the same rows and the HBM copy rate
-      // (weights streamed at decode sizes).
-      bench::Rooflines roof;
+      // Yardsticks from this run (their mean over the GPUs: GPUs of one host clock differently
+      // under load): cuBLAS dense bf16 on each GPU's routed rows and the HBM copy rate (weights
+      // streamed at decode sizes); at once (measured above, by every rank), or here one GPU
+      // after the other with nothing else running.
+      if (!o.yardstick_at_once && !o.check)
+        for (int32_t g = 0; g < ep; ++g)
+          roof_ok[g] = cudaSetDevice(g) == cudaSuccess &&
+                       bench::measure_rooflines(std::max<int64_t>(results[g].rows_received, 128),
+                                                c.hidden, c.intermediate, o.warmup, o.iters,
+                                                &roof_of[g])
+                           .ok();
+      Yardsticks yard;
+      yard.at_once = o.yardstick_at_once;
+      bench::Rooflines& roof = yard.mean;
       std::string roof_per_gpu;
-      bool have_roof = !o.check;
+      const bool have_roof = !o.check && std::all_of(roof_ok.begin(), roof_ok.end(),
+                                                      [](char ok) { return ok != 0; });
       for (int32_t g = 0; g < ep && have_roof; ++g) {
-        bench::Rooflines one;
-        have_roof = cudaSetDevice(g) == cudaSuccess &&
-                    bench::measure_rooflines(std::max<int64_t>(slow.rows_received, 128),
-                                             c.hidden, c.intermediate, o.warmup, o.iters, &one)
-                        .ok();
-        roof.dense_tflops += one.dense_tflops / ep;
-        roof.hbm_copy_gbs += one.hbm_copy_gbs / ep;
-        roof_per_gpu += (g ? ", " : "") + std::to_string(static_cast<int>(one.dense_tflops));
+        roof.dense_tflops += roof_of[g].dense_tflops / ep;
+        roof.hbm_copy_gbs += roof_of[g].hbm_copy_gbs / ep;
+        yard.dense_tflops_per_gpu.push_back(roof_of[g].dense_tflops);
+        roof_per_gpu += (g ? ", " : "") + std::to_string(static_cast<int>(roof_of[g].dense_tflops));
       }
       if (have_roof) {
         const double stream_us = weight_bytes(c) / (roof.hbm_copy_gbs * 1e3);
-        std::printf("  yardsticks: cuBLAS dense bf16 on the same rows %.1f TFLOP/s (mean of GPUs: "
-                    "%s; layer at %.0f%%); weights %.2f GB stream in %.1f us at the HBM copy rate "
-                    "%.0f GB/s (layer = %.2fx that)\n",
+        std::printf("  yardsticks (%s): cuBLAS dense bf16 on the same rows %.1f TFLOP/s (mean of "
+                    "GPUs: %s; layer at %.0f%%); weights %.2f GB stream in %.1f us at the HBM copy "
+                    "rate %.0f GB/s (layer = %.2fx that)\n",
+                    yard.at_once ? "all GPUs at once" : "one GPU after the other",
                     roof.dense_tflops, roof_per_gpu.c_str(),
                     100.0 * forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6 /
                         roof.dense_tflops,
@@ -844,7 +885,7 @@ int run_gpu(const Options& o, int devices) {
         json << (first ? "" : ",") << "\n    "
              << run_json(variants[v].system, *p, T, c, variant_results[v], variant_check[v],
                          &variants[v],
-                         v == 0 && have_roof ? &roof : nullptr);
+                         v == 0 && have_roof ? &yard : nullptr);
         first = false;
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
       }
