@@ -805,10 +805,10 @@ int run_gpu(const Options& o, int devices) {
               bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
           keep_times(r, &base_results[rank]);
         }
-        // NOTES: at once, every GPU busy like during the layer. One GPU after the other, the
-        // GPUs measured later had idled (and cooled) meanwhile and ran faster under the same
-        // power cap (2xH200: the GPU measured second up to ~11% above the first, while the two
-        // GPUs' megakernels differed by ~1%; docs/benchmarks.md).
+        // NOTES: at once, every GPU busy as during the layer (both H200s run GEMMs at their
+        // power cap, so a GPU's clock depends on what it and its neighbour just did). One GPU
+        // after the other gave the same rates within ~1% in a same-call comparison
+        // (docs/benchmarks.md, "Yardstick order"); --yardstick one-by-one keeps that mode.
         if (o.yardstick_at_once && !o.check)
           roof_ok[rank] = bench::measure_rooflines(std::max<int64_t>(results[rank].rows_received,
                                                                      128),
