@@ -283,11 +283,16 @@ struct RowPipe {
   int32_t warps;
 };
 
+// x rows (H bf16 each) that fit the GEMM's stage and staging memory.
+__device__ __forceinline__ int32_t row_buffers(const ForwardMegakernelArgs& a) {
+  return static_cast<int32_t>(offsetof(decltype(MegaSmem::gemm), full) /
+                              (static_cast<size_t>(a.hidden) * 2));
+}
+
 // The dispatching warps of a CTA: kPullWarps when each gets two row buffers or more, else as
 // many as do (one at worst: Limits::kMaxHidden leaves room for three rows).
 __device__ __forceinline__ int32_t pull_warps(const ForwardMegakernelArgs& a) {
-  const int32_t fit = static_cast<int32_t>(offsetof(decltype(MegaSmem::gemm), full) /
-                                           (static_cast<size_t>(a.hidden) * 2));
+  const int32_t fit = row_buffers(a);
   return fit / 2 < kPullWarps ? fit / 2 : kPullWarps;
 }
 
@@ -297,8 +302,7 @@ __device__ __forceinline__ RowPipe make_row_pipe(const ForwardMegakernelArgs& a,
   p.warp = warp;
   p.warps = pull_warps(a);
   p.row_bytes = static_cast<uint32_t>(a.hidden) * 2;
-  const uint32_t fit = static_cast<uint32_t>(offsetof(decltype(smem.gemm), full)) / p.row_bytes;
-  const uint32_t per_warp = fit / p.warps;
+  const uint32_t per_warp = static_cast<uint32_t>(row_buffers(a) / p.warps);
   p.slots = per_warp < kMaxPullRows / kPullWarps ? per_warp : kMaxPullRows / kPullWarps;
   p.buf = reinterpret_cast<uint8_t*>(&smem.gemm) + size_t{p.slots} * warp * p.row_bytes;
   p.full = smem.pull_full + p.slots * warp;
