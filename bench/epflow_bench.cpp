@@ -56,8 +56,9 @@ struct Options {
   // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
   std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
   std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
-  // The yardsticks run on every GPU at once, as the layer does (else one GPU after the other).
-  bool yardstick_at_once = true;
+  // How the yardsticks run: on every GPU at once after the systems, one GPU after the other, or
+  // (dense GEMMs) between the layer's own calls.
+  enum class Yardstick { kAtOnce, kOneByOne, kInterleaved } yardstick = Yardstick::kAtOnce;
 };
 
 void usage() {
@@ -65,7 +66,7 @@ void usage() {
       "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
       "                    [--warmup N] [--seed S] [--json PATH] [--baselines LIST] [--check]\n"
       "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]] [--ring-rows R[,R...]]\n"
-      "                    [--trace PREFIX] [--yardstick at-once|one-by-one]\n"
+      "                    [--trace PREFIX] [--yardstick at-once|one-by-one|interleaved]\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
       "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
@@ -73,7 +74,9 @@ void usage() {
       "  --trace PREFIX  write EPFlow's megakernel tasks of the last timed call, per rank, to\n"
       "               PREFIX-<preset>-<tokens>-rank<r>.csv (bench/trace_summary.py reads them)\n"
       "  --yardstick  cuBLAS dense and HBM copy yardsticks on every GPU at once, as the layer\n"
-      "               runs (default), or one GPU after the other with the others idle\n"
+      "               runs (default), or one GPU after the other with the others idle, or\n"
+      "               interleaved: the dense GEMMs timed between EPFlow's own timed calls (the\n"
+      "               same clocks and power history; the copy still at once afterwards)\n"
       "  --check      compare EPFlow's and the baselines' outputs with the CPU reference on a\n"
       "               small shape (default: preset tiny, 64 tokens, EP 2 if 2 GPUs, else 1);\n"
       "               exit 1 on a mismatch\n"
@@ -126,8 +129,14 @@ bool parse(int argc, char** argv, Options* o) {
     } else if (a == "--trace") {
       o->trace = v;
     } else if (a == "--yardstick") {
-      if (v != "at-once" && v != "one-by-one") return false;
-      o->yardstick_at_once = v == "at-once";
+      if (v == "at-once")
+        o->yardstick = Options::Yardstick::kAtOnce;
+      else if (v == "one-by-one")
+        o->yardstick = Options::Yardstick::kOneByOne;
+      else if (v == "interleaved")
+        o->yardstick = Options::Yardstick::kInterleaved;
+      else
+        return false;
     } else if (a == "--comm-sms" || a == "--minibatch-rows" || a == "--ring-rows") {
       auto& list = a == "--comm-sms"         ? o->sweep_comm_sms
                    : a == "--minibatch-rows" ? o->sweep_minibatch_rows
@@ -228,6 +237,7 @@ struct RankResult {
   int64_t rows_received = 0;    // rows this rank's experts computed
   int64_t nvlink_rows_in = 0;   // rows pulled from other ranks (dispatch)
   int64_t nvlink_rows_out = 0;  // rows pushed to other ranks (combine), same count
+  double interleaved_dense_tflops = 0;  // --yardstick interleaved: cuBLAS between the calls
 };
 
 double median(std::vector<double> v) {
@@ -418,10 +428,13 @@ Status write_trace(const Layer& layer, int rank, const std::string& path) {
 
 // EPFlow on this rank: timing of the layer and its stages, and the rows of y of `checked`.
 // trace_path: where to write the megakernel's per-task trace of the last call (empty: none).
+// interleave_rows > 0: after each layer call, the dense cuBLAS yardstick over that many rows runs
+// on the same stream, timed apart (its median lands in out->interleaved_dense_tflops).
 Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
                          const std::vector<bench::Routing>& routing, int64_t T, const Options& o,
                          ncclComm_t comm, const std::vector<int64_t>& checked, RankResult* out,
-                         std::vector<float>* y_rows, const std::string& trace_path = "") {
+                         std::vector<float>* y_rows, const std::string& trace_path = "",
+                         int64_t interleave_rows = 0) {
   LayerConfig c = base;
   c.comm_sms = v.comm_sms;
   c.minibatch_rows = v.minibatch_rows;
@@ -438,16 +451,40 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   const int n = o.warmup + o.iters;
   IterationEvents ev;
   EPFLOW_RETURN_IF_ERROR(ev.create(n));
+  std::unique_ptr<bench::DenseFfn> dense;
+  IterationEvents dense_ev;  // one interval per call: its first two marks
+  if (interleave_rows > 0) {
+    EPFLOW_RETURN_IF_ERROR(
+        bench::DenseFfn::create(interleave_rows, c.hidden, c.intermediate, stream.get(), &dense));
+    EPFLOW_RETURN_IF_ERROR(dense_ev.create(n));
+  }
   for (int i = 0; i < n; ++i) {
     const cudaEvent_t* m = ev.marks(i);
     const StageEvents stages{m[0], m[1], m[2], m[3], m[4]};
     EPFLOW_RETURN_IF_ERROR(
         LayerInternals::forward_with_stage_events(*layer, data.args(), stream.get(), stages));
+    if (dense) {
+      const cudaEvent_t* d = dense_ev.marks(i);
+      EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(d[0], stream.get()), "cudaEventRecord"));
+      EPFLOW_RETURN_IF_ERROR(dense->run());
+      EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(d[1], stream.get()), "cudaEventRecord"));
+    }
   }
   // A timed-out wait traps its kernel: say which.
   EPFLOW_RETURN_IF_ERROR(with_device_failure(
       *layer, cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run")));
   EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, out));
+  if (dense) {
+    std::vector<double> ms;
+    for (int i = o.warmup; i < n; ++i) {
+      float v = 0;
+      EPFLOW_RETURN_IF_ERROR(cuda_status(
+          cudaEventElapsedTime(&v, dense_ev.marks(i)[0], dense_ev.marks(i)[1]),
+          "cudaEventElapsedTime"));
+      ms.push_back(v);
+    }
+    out->interleaved_dense_tflops = dense->tflops(median(ms));
+  }
   if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(write_trace(*layer, c.ep_rank, trace_path));
   return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
 }
@@ -586,11 +623,13 @@ double weight_bytes(const LayerConfig& c) {
 }
 
 // The same-run yardsticks: their mean over the GPUs (the layer's rate is per GPU), each GPU's
-// cuBLAS rate, and how they were measured.
+// cuBLAS rate, and how they were measured (interleaved: also the dense rate measured at once
+// after the systems, for comparison).
 struct Yardsticks {
   bench::Rooflines mean;
   std::vector<double> dense_tflops_per_gpu;
-  bool at_once = true;
+  const char* mode = "at-once";
+  double dense_after_tflops = 0;
 };
 
 std::string run_json(const char* system, const bench::Preset& p, int64_t T, const LayerConfig& c,
@@ -632,13 +671,15 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
   if (yard) {
     const bench::Rooflines* roof = &yard->mean;
     const double stream_us = weight_bytes(c) / (roof->hbm_copy_gbs * 1e3);
-    js << ", \"yardstick\": \"" << (yard->at_once ? "at-once" : "one-by-one")
-       << "\", \"cublas_dense_tflops_per_gpu\": [";
+    js << ", \"yardstick\": \"" << yard->mode << "\", \"cublas_dense_tflops_per_gpu\": [";
     for (size_t g = 0; g < yard->dense_tflops_per_gpu.size(); ++g)
       js << (g ? ", " : "") << json_num(yard->dense_tflops_per_gpu[g]);
     js << "], \"cublas_dense_tflops\": " << json_num(roof->dense_tflops)
        << ", \"layer_vs_cublas_dense\": "
-       << json_num(flops / slow.total_us * 1e-6 / roof->dense_tflops)
+       << json_num(flops / slow.total_us * 1e-6 / roof->dense_tflops);
+    if (yard->dense_after_tflops > 0)
+      js << ", \"cublas_dense_tflops_after\": " << json_num(yard->dense_after_tflops);
+    js
        << ", \"hbm_copy_gbs\": " << json_num(roof->hbm_copy_gbs)
        << ", \"weight_stream_us\": " << json_num(stream_us)
        << ", \"layer_vs_weight_stream\": " << json_num(slow.total_us / stream_us);
@@ -775,9 +816,11 @@ int run_gpu(const Options& o, int devices) {
                                                              std::vector<std::vector<float>>(ep));
       std::vector<std::vector<float>> y_base(ep);
       std::mutex mu;
-      // Per GPU: its yardsticks (measured by its own rank thread when at once).
+      // Per GPU: its yardsticks (measured by its own rank thread when at once or interleaved).
       std::vector<bench::Rooflines> roof_of(ep);
       std::vector<char> roof_ok(ep, 0);
+      std::vector<double> interleaved_dense(ep, 0);
+      const bool interleaved = o.yardstick == Options::Yardstick::kInterleaved && !o.check;
       auto keep_times = [&mu](const RankResult& from, RankResult* to) {
         std::lock_guard<std::mutex> lock(mu);
         to->plan = from.plan;
@@ -796,9 +839,13 @@ int run_gpu(const Options& o, int devices) {
                   ? o.trace + "-" + p->name + "-" + std::to_string(T) + "-rank" +
                         std::to_string(rank) + ".csv"
                   : "";
+          const int64_t interleave_rows =
+              v == 0 && interleaved ? std::max<int64_t>(results[rank].rows_received, 128) : 0;
           EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(rc, variants[v], routing, T, o, comm, checked,
-                                                   &r, &y_variant[v][rank], trace));
+                                                   &r, &y_variant[v][rank], trace,
+                                                   interleave_rows));
           keep_times(r, &variant_results[v][rank]);
+          if (interleave_rows > 0) interleaved_dense[rank] = r.interleaved_dense_tflops;
         }
         if (nccl_cublas) {
           EPFLOW_RETURN_IF_ERROR(
@@ -809,7 +856,7 @@ int run_gpu(const Options& o, int devices) {
         // power cap, so a GPU's clock depends on what it and its neighbour just did). One GPU
         // after the other gave the same rates within ~1% in a same-call comparison
         // (docs/benchmarks.md, "Yardstick order"); --yardstick one-by-one keeps that mode.
-        if (o.yardstick_at_once && !o.check)
+        if (o.yardstick != Options::Yardstick::kOneByOne && !o.check)
           roof_ok[rank] = bench::measure_rooflines(std::max<int64_t>(results[rank].rows_received,
                                                                      128),
                                                    rc.hidden, rc.intermediate, o.warmup, o.iters,
@@ -840,7 +887,7 @@ int run_gpu(const Options& o, int devices) {
       // under load): cuBLAS dense bf16 on each GPU's routed rows and the HBM copy rate (weights
       // streamed at decode sizes); at once (measured above, by every rank), or here one GPU
       // after the other with nothing else running.
-      if (!o.yardstick_at_once && !o.check)
+      if (o.yardstick == Options::Yardstick::kOneByOne && !o.check)
         for (int32_t g = 0; g < ep; ++g)
           roof_ok[g] = cudaSetDevice(g) == cudaSuccess &&
                        bench::measure_rooflines(std::max<int64_t>(results[g].rows_received, 128),
@@ -848,27 +895,39 @@ int run_gpu(const Options& o, int devices) {
                                                 &roof_of[g])
                            .ok();
       Yardsticks yard;
-      yard.at_once = o.yardstick_at_once;
+      yard.mode = interleaved                                          ? "interleaved"
+                  : o.yardstick == Options::Yardstick::kOneByOne ? "one-by-one"
+                                                                   : "at-once";
       bench::Rooflines& roof = yard.mean;
       std::string roof_per_gpu;
       const bool have_roof = !o.check && std::all_of(roof_ok.begin(), roof_ok.end(),
                                                       [](char ok) { return ok != 0; });
       for (int32_t g = 0; g < ep && have_roof; ++g) {
-        roof.dense_tflops += roof_of[g].dense_tflops / ep;
+        const double dense = interleaved ? interleaved_dense[g] : roof_of[g].dense_tflops;
+        roof.dense_tflops += dense / ep;
         roof.hbm_copy_gbs += roof_of[g].hbm_copy_gbs / ep;
-        yard.dense_tflops_per_gpu.push_back(roof_of[g].dense_tflops);
-        roof_per_gpu += (g ? ", " : "") + std::to_string(static_cast<int>(roof_of[g].dense_tflops));
+        if (interleaved) yard.dense_after_tflops += roof_of[g].dense_tflops / ep;
+        yard.dense_tflops_per_gpu.push_back(dense);
+        roof_per_gpu += (g ? ", " : "") + std::to_string(static_cast<int>(dense));
       }
       if (have_roof) {
         const double stream_us = weight_bytes(c) / (roof.hbm_copy_gbs * 1e3);
         std::printf("  yardsticks (%s): cuBLAS dense bf16 on the same rows %.1f TFLOP/s (mean of "
                     "GPUs: %s; layer at %.0f%%); weights %.2f GB stream in %.1f us at the HBM copy "
                     "rate %.0f GB/s (layer = %.2fx that)\n",
-                    yard.at_once ? "all GPUs at once" : "one GPU after the other",
+                    interleaved ? "dense GEMMs between the layer's calls, copy at once"
+                    : o.yardstick == Options::Yardstick::kOneByOne ? "one GPU after the other"
+                                                                   : "all GPUs at once",
                     roof.dense_tflops, roof_per_gpu.c_str(),
                     100.0 * forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6 /
                         roof.dense_tflops,
                     weight_bytes(c) * 1e-9, stream_us, roof.hbm_copy_gbs, slow.total_us / stream_us);
+        if (interleaved)
+          std::printf("  (the same dense GEMMs measured at once after the systems: %.1f TFLOP/s, "
+                      "layer at %.0f%% of that)\n",
+                      yard.dense_after_tflops,
+                      100.0 * forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6 /
+                          yard.dense_after_tflops);
       }
       std::printf("  %-26s %10s %12s %14s  %s\n", "system", "us", "TFLOP/s/GPU",
                   "EPFlow speedup", "check");

@@ -1,6 +1,5 @@
 #include "rooflines.h"
 
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -47,30 +46,24 @@ Status median_ms(cudaStream_t stream, int warmup, int iters, Fn fn, double* out)
 
 }  // namespace
 
-Status measure_rooflines(int64_t rows, int64_t H, int64_t I, int warmup, int iters,
-                         Rooflines* out) {
-  constexpr size_t kCopyBytes = size_t{2} << 30;
-  cudaStream_t stream = nullptr;
-  EPFLOW_RETURN_IF_ERROR(cuda(cudaStreamCreate(&stream), "cudaStreamCreate"));
-  cublasHandle_t h = nullptr;
-  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
-    cudaStreamDestroy(stream);
+Status DenseFfn::create(int64_t rows, int64_t H, int64_t I, cudaStream_t stream,
+                        std::unique_ptr<DenseFfn>* out) {
+  std::unique_ptr<DenseFfn> f(new DenseFfn());
+  f->rows_ = rows;
+  f->hidden_ = H;
+  f->intermediate_ = I;
+  if (cublasCreate(&f->handle_) != CUBLAS_STATUS_SUCCESS) {
+    f->handle_ = nullptr;
     return error_status(StatusCode::kCudaError, "cublasCreate failed");
   }
-  cublasSetStream(h, stream);
+  cublasSetStream(f->handle_, stream);
   // x [rows, H], w_gu [2I, H], h [rows, 2I] (SwiGLU reads half of it), w_down [H, I], y [rows, H].
   const size_t elems = rows * H + 2 * I * H + rows * 2 * I + H * I + rows * H;
-  void* buf = nullptr;
-  void *src = nullptr, *dst = nullptr;
-  Status s = cuda(cudaMalloc(&buf, elems * 2), "cudaMalloc (dense GEMM operands)");
-  if (s.ok()) s = cuda(cudaMalloc(&src, kCopyBytes), "cudaMalloc (copy source)");
-  if (s.ok()) s = cuda(cudaMalloc(&dst, kCopyBytes), "cudaMalloc (copy destination)");
-  if (s.ok()) s = cuda(cudaMemsetAsync(src, 1, kCopyBytes, stream), "cudaMemsetAsync");
-  auto* x = static_cast<__nv_bfloat16*>(buf);
+  EPFLOW_RETURN_IF_ERROR(cuda(cudaMalloc(&f->buf_, elems * 2), "cudaMalloc (dense GEMM operands)"));
+  auto* x = static_cast<__nv_bfloat16*>(f->buf_);
   auto* w_gu = x + rows * H;
   auto* hid = w_gu + 2 * I * H;
   auto* w_down = hid + rows * 2 * I;
-  auto* y = w_down + H * I;
   // NOTES: random operands at the layer's scales, like the layer's inputs: on constant data the
   // tensor cores toggle fewer bits, draw less power and can hold higher clocks than any real
   // layer call, which would make the yardstick unreachable for the wrong reason.
@@ -80,36 +73,62 @@ Status measure_rooflines(int64_t rows, int64_t H, int64_t I, int warmup, int ite
     float scale;
   };
   uint64_t key = 0x9e3779b97f4a7c15ull;
-  for (const Fill& f : {Fill{x, rows * H, 1.0f}, Fill{w_gu, 2 * I * H, fan_in_scale(H)},
-                        Fill{hid, rows * 2 * I, 1.0f}, Fill{w_down, H * I, fan_in_scale(I)}}) {
-    if (s.ok())
-      s = cuda(fill_uniform_bf16(f.dst, f.count, f.scale, mix64(++key), stream),
-               "fill_uniform_bf16");
-  }
-  auto gemm = [&](const void* in, const void* w, void* o, int64_t N, int64_t K) {
-    return gemm_rows_wt(h, rows, N, K, in, K, w, o, N);
-  };
+  for (const Fill& fill : {Fill{x, rows * H, 1.0f}, Fill{w_gu, 2 * I * H, fan_in_scale(H)},
+                           Fill{hid, rows * 2 * I, 1.0f}, Fill{w_down, H * I, fan_in_scale(I)}})
+    EPFLOW_RETURN_IF_ERROR(cuda(
+        fill_uniform_bf16(fill.dst, fill.count, fill.scale, mix64(++key), stream),
+        "fill_uniform_bf16"));
+  *out = std::move(f);
+  return Status::ok_status();
+}
+
+DenseFfn::~DenseFfn() {
+  if (buf_) cudaFree(buf_);
+  if (handle_) cublasDestroy(handle_);
+}
+
+Status DenseFfn::run() {
+  const int64_t H = hidden_, I = intermediate_;
+  auto* x = static_cast<__nv_bfloat16*>(buf_);
+  auto* w_gu = x + rows_ * H;
+  auto* hid = w_gu + 2 * I * H;
+  auto* w_down = hid + rows_ * 2 * I;
+  auto* y = w_down + H * I;
+  if (gemm_rows_wt(handle_, rows_, 2 * I, H, x, H, w_gu, hid, 2 * I) != CUBLAS_STATUS_SUCCESS ||
+      gemm_rows_wt(handle_, rows_, H, I, hid, I, w_down, y, H) != CUBLAS_STATUS_SUCCESS)
+    return error_status(StatusCode::kCudaError, "cublasGemmEx failed");
+  return Status::ok_status();
+}
+
+double DenseFfn::tflops(double ms) const {
+  return 6.0 * rows_ * hidden_ * intermediate_ / (ms * 1e-3) * 1e-12;
+}
+
+Status measure_rooflines(int64_t rows, int64_t H, int64_t I, int warmup, int iters,
+                         Rooflines* out) {
+  constexpr size_t kCopyBytes = size_t{2} << 30;
+  cudaStream_t stream = nullptr;
+  EPFLOW_RETURN_IF_ERROR(cuda(cudaStreamCreate(&stream), "cudaStreamCreate"));
+  std::unique_ptr<DenseFfn> ffn;
+  void *src = nullptr, *dst = nullptr;
+  Status s = DenseFfn::create(rows, H, I, stream, &ffn);
+  if (s.ok()) s = cuda(cudaMalloc(&src, kCopyBytes), "cudaMalloc (copy source)");
+  if (s.ok()) s = cuda(cudaMalloc(&dst, kCopyBytes), "cudaMalloc (copy destination)");
+  if (s.ok()) s = cuda(cudaMemsetAsync(src, 1, kCopyBytes, stream), "cudaMemsetAsync");
   double ffn_ms = 0, copy_ms = 0;
-  if (s.ok())
-    s = median_ms(stream, warmup, iters, [&] {
-      if (gemm(x, w_gu, hid, 2 * I, H) != CUBLAS_STATUS_SUCCESS ||
-          gemm(hid, w_down, y, H, I) != CUBLAS_STATUS_SUCCESS)
-        return error_status(StatusCode::kCudaError, "cublasGemmEx failed");
-      return Status::ok_status();
-    }, &ffn_ms);
+  if (s.ok()) s = median_ms(stream, warmup, iters, [&] { return ffn->run(); }, &ffn_ms);
   if (s.ok())
     s = median_ms(stream, warmup, iters, [&] {
       return cuda(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream),
                   "cudaMemcpyAsync (HBM copy)");
     }, &copy_ms);
   if (s.ok()) {
-    out->dense_tflops = 6.0 * rows * H * I / (ffn_ms * 1e-3) * 1e-12;
+    out->dense_tflops = ffn->tflops(ffn_ms);
     out->hbm_copy_gbs = 2.0 * kCopyBytes / (copy_ms * 1e-3) * 1e-9;
   }
-  cudaFree(buf);
+  ffn.reset();
   cudaFree(src);
   cudaFree(dst);
-  cublasDestroy(h);
   cudaStreamDestroy(stream);
   return s;
 }

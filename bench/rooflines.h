@@ -3,9 +3,11 @@
 // the local experts' weights at decode sizes.
 #pragma once
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "epflow/status.h"
 
@@ -16,9 +18,28 @@ struct Rooflines {
   double hbm_copy_gbs = 0;  // 2 GiB device-to-device copy, read + write bytes
 };
 
+// The dense yardstick's work on the current device: the two GEMMs of an expert FFN over `rows`
+// rows (M = rows, one weight set, random operands at the layer's scales), enqueued on `stream`
+// by run(); for timing inside another loop (epflow-bench --yardstick interleaved) or alone.
+class DenseFfn {
+ public:
+  static Status create(int64_t rows, int64_t hidden, int64_t intermediate, cudaStream_t stream,
+                       std::unique_ptr<DenseFfn>* out);
+  ~DenseFfn();
+  DenseFfn(const DenseFfn&) = delete;
+  DenseFfn& operator=(const DenseFfn&) = delete;
+  Status run();
+  double tflops(double ms) const;  // the FFN's FLOPs over ms milliseconds
+
+ private:
+  DenseFfn() = default;
+  int64_t rows_ = 0, hidden_ = 0, intermediate_ = 0;
+  cublasHandle_t handle_ = nullptr;
+  void* buf_ = nullptr;
+};
+
 // Median over `iters` timed runs after `warmup` runs (the layer's own counts, so both see the
-// same clocks) on the current device: the two dense GEMMs of an expert FFN over `rows` rows
-// (M = rows, one weight set, random operands at the layer's scales), and the copy.
+// same clocks) on the current device: the DenseFfn over `rows` rows, and the copy.
 Status measure_rooflines(int64_t rows, int64_t hidden, int64_t intermediate, int warmup,
                          int iters, Rooflines* out);
 
