@@ -852,10 +852,11 @@ int run_gpu(const Options& o, int devices) {
               bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
           keep_times(r, &base_results[rank]);
         }
-        // NOTES: at once, every GPU busy as during the layer (both H200s run GEMMs at their
-        // power cap, so a GPU's clock depends on what it and its neighbour just did). One GPU
-        // after the other gave the same rates within ~1% in a same-call comparison
-        // (docs/benchmarks.md, "Yardstick order"); --yardstick one-by-one keeps that mode.
+        // NOTES: at once, every GPU busy as during the layer. One GPU after the other gave the
+        // same rates within ~1% in a same-call comparison (docs/benchmarks.md, "Yardstick
+        // order"). Both run after a pause, and the power limiter lets the first ~0.5 s of a busy
+        // phase run above the sustained clock: timed between the layer's own calls
+        // (--yardstick interleaved) the same GEMMs ran ~4% slower at 8192 tokens/rank.
         if (o.yardstick != Options::Yardstick::kOneByOne && !o.check)
           roof_ok[rank] = bench::measure_rooflines(std::max<int64_t>(results[rank].rows_received,
                                                                      128),
