@@ -61,6 +61,20 @@ struct Options {
   enum class Yardstick { kAtOnce, kOneByOne, kInterleaved } yardstick = Yardstick::kAtOnce;
 };
 
+// A yardstick mode's name (JSON, --yardstick) and how the printout words it.
+struct YardstickMode {
+  const char* name;
+  const char* words;
+};
+YardstickMode yardstick_mode(Options::Yardstick y) {
+  switch (y) {
+    case Options::Yardstick::kOneByOne: return {"one-by-one", "one GPU after the other"};
+    case Options::Yardstick::kInterleaved:
+      return {"interleaved", "dense GEMMs between the layer's calls, copy at once"};
+    default: return {"at-once", "all GPUs at once"};
+  }
+}
+
 void usage() {
   std::printf(
       "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
@@ -896,9 +910,7 @@ int run_gpu(const Options& o, int devices) {
                                                 &roof_of[g])
                            .ok();
       Yardsticks yard;
-      yard.mode = interleaved                                          ? "interleaved"
-                  : o.yardstick == Options::Yardstick::kOneByOne ? "one-by-one"
-                                                                   : "at-once";
+      yard.mode = yardstick_mode(o.yardstick).name;
       bench::Rooflines& roof = yard.mean;
       std::string roof_per_gpu;
       const bool have_roof = !o.check && std::all_of(roof_ok.begin(), roof_ok.end(),
@@ -916,9 +928,7 @@ int run_gpu(const Options& o, int devices) {
         std::printf("  yardsticks (%s): cuBLAS dense bf16 on the same rows %.1f TFLOP/s (mean of "
                     "GPUs: %s; layer at %.0f%%); weights %.2f GB stream in %.1f us at the HBM copy "
                     "rate %.0f GB/s (layer = %.2fx that)\n",
-                    interleaved ? "dense GEMMs between the layer's calls, copy at once"
-                    : o.yardstick == Options::Yardstick::kOneByOne ? "one GPU after the other"
-                                                                   : "all GPUs at once",
+                    yardstick_mode(o.yardstick).words,
                     roof.dense_tflops, roof_per_gpu.c_str(),
                     100.0 * forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6 /
                         roof.dense_tflops,
