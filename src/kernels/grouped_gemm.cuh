@@ -218,18 +218,21 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   }
   if constexpr (Sink::kDirect) sink.prepare(c, wg, tid);
   float acc[kBlockNMma / 2];
+  // Stage 0's descriptors; a stage and a 16-element step along K are fixed byte offsets from them.
+  const uint64_t a_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
+  const uint64_t b_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
   // NOTES: release stage kb-1 only after the wgmma group of kb is issued and kb-1's has
   // retired (wait_group 1): the tensor cores always have the next k-block queued.
   PipelineState<kStages> release = ps;
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
-    const uint32_t a_base = ptx::smem_addr(s.a[ps.stage]) + wg * 64 * 128;
-    const uint32_t b_base = ptx::smem_addr(s.b[ps.stage]);
+    const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
+    const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      ptx::wgmma_m64n256k16_bf16(acc, ptx::smem_desc_k_major_sw128(a_base + kk * 32),
-                                 ptx::smem_desc_k_major_sw128(b_base + kk * 32), kb > 0 || kk > 0);
+      ptx::wgmma_m64n256k16_bf16(acc, ptx::smem_desc_advance(a_desc, kk * 32),
+                                 ptx::smem_desc_advance(b_desc, kk * 32), kb > 0 || kk > 0);
     }
     ptx::wgmma_commit_group();
     ptx::wgmma_fence_operands(acc);

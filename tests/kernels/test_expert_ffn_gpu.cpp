@@ -1,8 +1,9 @@
 // The expert FFN kernels (gate/up with SwiGLU, then down) against a CPU reference in double on
 // the same bf16-rounded inputs: ragged expert segments (empty experts at the start, middle and
-// end; 1, 127, 128, 129 and a few hundred rows), N tails (N not a multiple of the kernels' N
-// tile), the smallest shape and the DeepSeek-V3 per-rank shape. Outputs are poisoned before the
-// launch, so unwritten rows show up, and rows past the last segment must keep the poison.
+// end; 1, 127, 128, 129 and a few hundred rows; last tiles of 16 .. 127 rows), N tails (N not a
+// multiple of the kernels' N tile), the smallest shape and the DeepSeek-V3 per-rank shape.
+// Outputs are poisoned before the launch, so unwritten rows show up, and rows past the last
+// segment must keep the poison.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -282,6 +283,10 @@ TEST(ExpertFfnGpu, RaggedSegmentsSmallShapes) {
       {"minimum", 64, 64, {0, 1, 127, 0, 128, 129, 0}, 3, 0, 1},
       // N tails in both kernels (I = 2.5, H = 1.5 N tiles), K of 3 and 5 k tiles.
       {"tails", 192, 320, {300, 0, 5, 257, 64}, 2, 0, 2},
+      // Last tiles of 16 .. 127 rows (one warpgroup's rows or both warpgroups'), alone and after
+      // whole tiles; H = 128 is half a down N tile.
+      {"last tiles", 128, 192, {16, 17, 33, 48, 64, 65, 80, 96, 97, 112, 113, 127, 240, 129},
+       1, 0, 7},
       // One expert, one row, no spare tiles: the grid is exactly the one M tile.
       {"single row", 128, 256, {1}, 0, 0, 3},
       // Nothing routed: every tile exits, both outputs keep the poison everywhere.
