@@ -39,7 +39,7 @@ def render_fused(docs):
                   f"| {r['stage_us_0']:.0f} | {mk:.0f} ({ffn:.0f}, {nvlink / mk * 1e-3:.0f}) "
                   f"| {r['stage_us_3']:.0f} | {r['comm_sms']} | {r['minibatch_rows']} "
                   f"| {r['ring_rows']} ({r['ring_bytes'] * 1e-6:.0f}) "
-                  f"| {pct(r.get('layer_vs_cublas_dense'), r.get('cublas_dense_tflops'))} "
+                  f"| {pct(r)} "
                   f"| {times(r.get('layer_vs_weight_stream'), r.get('weight_stream_us'))} "
                   f"| {per_rank(r)} | {doc['device']} | {doc['commit']} |")
 
@@ -53,9 +53,17 @@ def per_rank(r):
     return "; ".join(f"{s[1] + s[2]:.0f} / {s[3]:.0f}" for s in ranks)
 
 
-def pct(ratio, dense):
-    """The layer's rate as a share of cuBLAS dense bf16 on the same rows (same run)."""
-    return "n/a" if ratio is None else f"{100 * ratio:.0f}% of {dense:.0f} TFLOP/s"
+def pct(r):
+    """The layer's rate as a share of cuBLAS dense bf16 on the same rows (same run); with the
+    interleaved yardstick also as a share of the same GEMMs timed after the systems."""
+    ratio, dense = r.get("layer_vs_cublas_dense"), r.get("cublas_dense_tflops")
+    if ratio is None:
+        return "n/a"
+    out = f"{100 * ratio:.0f}% of {dense:.0f} TFLOP/s"
+    after = r.get("cublas_dense_tflops_after")
+    if after:
+        out += f" ({100 * r['layer_tflops_per_gpu'] / after:.0f}% of {after:.0f} after the systems)"
+    return out
 
 
 def times(ratio, stream_us):
