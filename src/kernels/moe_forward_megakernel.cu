@@ -28,9 +28,9 @@ constexpr int kStages = 4;
 // source (local HBM or a peer over NVLink) into the buffer, the buffer into the ring. Up to
 // kPullWarps warps per CTA (lane 0 of each issues) keep up to kMaxPullRows rows in flight, in
 // the GEMM's stage memory, which no GEMM uses before the CTA's dispatch is done (a CTA runs GEMMs
-// only after its last dispatch task). NOTES: register
-// copies (a warp per row, 16 loads of 16 B in flight per lane, 96 KB per SM) pulled ~18 GB/s of
-// peer rows per SM inside the kernel and ~20 GB/s in a probe; bulk copies ~45 GB/s in the probe.
+// only after its last dispatch task). NOTES: register copies (a warp per row, 16 loads of 16 B
+// in flight per lane, 96 KB per SM) pulled ~18 GB/s of peer rows per SM inside the kernel and
+// ~20 GB/s in a probe; bulk copies ~45 GB/s in the probe.
 constexpr int kMaxPullRows = 64;
 constexpr int kPullWarps = 4;
 
@@ -40,9 +40,9 @@ struct alignas(1024) MegaSmem {
   uint64_t staging_full[2];
   uint64_t staging_empty[2];
   // The dynamic schedule: the compute task and tile whose first stage is stage i (task -1: no
-  // more tasks), and the gate/up task whose output staging w holds (-1: stop).
+  // more tasks), and the gate/up task and tile whose output staging w holds (task -1: stop).
   gemm::StageTag stage_tag[kStages];
-  int64_t staged_task[2];
+  gemm::StageTag staged[2];
   // Scheduler thread -> producer: the next claimed task (-1: none left), its tile, and when it
   // was claimed and its waits passed (trace); "next holds a task" / "next is free".
   uint64_t next_full, next_empty;
@@ -69,9 +69,10 @@ struct RingSink {
     ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
     ++uses;
   }
-  __device__ __forceinline__ void publish(int wg, int tid, const uint8_t*, const gemm::TileCoord&) {
+  __device__ __forceinline__ void publish(int wg, int tid, const uint8_t*,
+                                         const gemm::TileCoord& c) {
     if (tid == 0) {
-      s->staged_task[wg] = task;
+      s->staged[wg] = gemm::StageTag{task, c};
       ptx::mbarrier_arrive(&s->staging_full[wg]);
     }
   }
@@ -487,13 +488,16 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
       ptx::mbarrier_arrive(&smem.gemm.full[ps.stage]);
     } else if (threadIdx.x == 32 || threadIdx.x == 64) {
       const int w = threadIdx.x / 32 - 1;  // the consumer warpgroup this thread stores for
-      volatile int64_t* staged_task = smem.staged_task;
+      volatile gemm::StageTag* staged = smem.staged;
       for (uint32_t uses = 0;; ++uses) {
         ptx::mbarrier_wait(&smem.staging_full[w], uses & 1);
-        const int64_t i = staged_task[w];
+        const int64_t i = staged[w].task;
         if (i < 0) break;
         const Task t = mega::compute_task(s, i);
-        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], tile_of(a, s, t), w);
+        // The consumers' tile (the scheduler looked it up once): no global loads before the stores.
+        const volatile gemm::TileCoord& tag = staged[w].tile;
+        const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
+        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
         ptx::tma_store_wait_read();
         ptx::mbarrier_arrive(&smem.staging_empty[w]);
         ptx::tma_store_wait_all();
@@ -531,7 +535,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
     // Stop this warpgroup's store thread (through its staging handshake, phases kept).
     ring.acquire(wg - 1, tid);
     if (tid == 0) {
-      smem.staged_task[wg - 1] = -1;
+      smem.staged[wg - 1].task = -1;
       ptx::mbarrier_arrive(&smem.staging_full[wg - 1]);
     }
   }
