@@ -835,6 +835,13 @@ int run_gpu(const Options& o, int devices) {
       std::vector<char> roof_ok(ep, 0);
       std::vector<double> interleaved_dense(ep, 0);
       const bool interleaved = o.yardstick == Options::Yardstick::kInterleaved && !o.check;
+      // The dense yardstick runs on GPU g's own routed rows (at least one tile).
+      auto yardstick_rows = [&](int g) { return std::max<int64_t>(results[g].rows_received, 128); };
+      auto measure_yardsticks = [&](int g) {
+        roof_ok[g] = bench::measure_rooflines(yardstick_rows(g), c.hidden, c.intermediate,
+                                              o.warmup, o.iters, &roof_of[g])
+                         .ok();
+      };
       auto keep_times = [&mu](const RankResult& from, RankResult* to) {
         std::lock_guard<std::mutex> lock(mu);
         to->plan = from.plan;
@@ -853,8 +860,7 @@ int run_gpu(const Options& o, int devices) {
                   ? o.trace + "-" + p->name + "-" + std::to_string(T) + "-rank" +
                         std::to_string(rank) + ".csv"
                   : "";
-          const int64_t interleave_rows =
-              v == 0 && interleaved ? std::max<int64_t>(results[rank].rows_received, 128) : 0;
+          const int64_t interleave_rows = v == 0 && interleaved ? yardstick_rows(rank) : 0;
           EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(rc, variants[v], routing, T, o, comm, checked,
                                                    &r, &y_variant[v][rank], trace,
                                                    interleave_rows));
@@ -871,12 +877,7 @@ int run_gpu(const Options& o, int devices) {
         // order"). Both run after a pause, and the power limiter lets the first ~0.5 s of a busy
         // phase run above the sustained clock: timed between the layer's own calls
         // (--yardstick interleaved) the same GEMMs ran ~4% slower at 8192 tokens/rank.
-        if (o.yardstick != Options::Yardstick::kOneByOne && !o.check)
-          roof_ok[rank] = bench::measure_rooflines(std::max<int64_t>(results[rank].rows_received,
-                                                                     128),
-                                                   rc.hidden, rc.intermediate, o.warmup, o.iters,
-                                                   &roof_of[rank])
-                              .ok();
+        if (o.yardstick != Options::Yardstick::kOneByOne && !o.check) measure_yardsticks(rank);
         return Status::ok_status();
       });
       if (!s.ok()) {
@@ -904,11 +905,7 @@ int run_gpu(const Options& o, int devices) {
       // after the other with nothing else running.
       if (o.yardstick == Options::Yardstick::kOneByOne && !o.check)
         for (int32_t g = 0; g < ep; ++g)
-          roof_ok[g] = cudaSetDevice(g) == cudaSuccess &&
-                       bench::measure_rooflines(std::max<int64_t>(results[g].rows_received, 128),
-                                                c.hidden, c.intermediate, o.warmup, o.iters,
-                                                &roof_of[g])
-                           .ok();
+          if (cudaSetDevice(g) == cudaSuccess) measure_yardsticks(g);
       Yardsticks yard;
       yard.mode = yardstick_mode(o.yardstick).name;
       bench::Rooflines& roof = yard.mean;
@@ -925,20 +922,19 @@ int run_gpu(const Options& o, int devices) {
       }
       if (have_roof) {
         const double stream_us = weight_bytes(c) / (roof.hbm_copy_gbs * 1e3);
+        const double layer_tflops = forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6;
         std::printf("  yardsticks (%s): cuBLAS dense bf16 on the same rows %.1f TFLOP/s (mean of "
                     "GPUs: %s; layer at %.0f%%); weights %.2f GB stream in %.1f us at the HBM copy "
                     "rate %.0f GB/s (layer = %.2fx that)\n",
                     yardstick_mode(o.yardstick).words,
                     roof.dense_tflops, roof_per_gpu.c_str(),
-                    100.0 * forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6 /
-                        roof.dense_tflops,
+                    100.0 * layer_tflops / roof.dense_tflops,
                     weight_bytes(c) * 1e-9, stream_us, roof.hbm_copy_gbs, slow.total_us / stream_us);
         if (interleaved)
           std::printf("  (the same dense GEMMs measured at once after the systems: %.1f TFLOP/s, "
                       "layer at %.0f%% of that)\n",
                       yard.dense_after_tflops,
-                      100.0 * forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6 /
-                          yard.dense_after_tflops);
+                      100.0 * layer_tflops / yard.dense_after_tflops);
       }
       std::printf("  %-26s %10s %12s %14s  %s\n", "system", "us", "TFLOP/s/GPU",
                   "EPFlow speedup", "check");
