@@ -38,8 +38,8 @@ class DenseFfn {
   void* buf_ = nullptr;
 };
 
-// Median over `iters` timed runs after `warmup` runs (the layer's own counts, so both see the
-// same clocks) on the current device: the DenseFfn over `rows` rows, and the copy.
+// Median over `iters` timed runs after `warmup` runs (the layer's own counts: with enough of
+// them both run in the sustained power state) on the current device: the DenseFfn over `rows` rows, and the copy.
 Status measure_rooflines(int64_t rows, int64_t hidden, int64_t intermediate, int warmup,
                          int iters, Rooflines* out);
 

@@ -78,7 +78,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tokens", default=TOKENS, help="tokens per rank")
     ap.add_argument("--ep", help="EP sizes (default: 1, and 2 with two or more GPUs)")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=100,
+                    help="untimed calls first, every system and yardstick (epflow-bench's)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--yardstick", default="at-once",
                     choices=["at-once", "one-by-one", "interleaved"],

@@ -263,7 +263,7 @@ def parse_args() -> argparse.Namespace:
                     help="comma-separated presets (bench/presets.h): " + ", ".join(inputs.PRESETS))
     ap.add_argument("--tokens", default="4096", help="comma-separated tokens per rank")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=100)  # as epflow-bench: sustained clocks
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here (rank 0)")
     ap.add_argument("--check", action="store_true",
