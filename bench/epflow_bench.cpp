@@ -54,6 +54,10 @@ struct Options {
   // state"): each is timed in the state a training loop keeps it in.
   int32_t warmup = 100;
   int32_t iters = 20;
+  // Each point's whole sequence (EPFlow and its variants, baselines, yardsticks) runs this many
+  // times; every reported time and rate is the median over the repeats (each the median of its
+  // iterations), so one run's power history moves the figures less.
+  int32_t repeats = 1;
   uint64_t seed = 1;
   std::string json;                                    // write results here as JSON
   std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
@@ -83,11 +87,14 @@ YardstickMode yardstick_mode(Options::Yardstick y) {
 void usage() {
   std::printf(
       "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
-      "                    [--warmup N] [--seed S] [--json PATH] [--baselines LIST] [--check]\n"
-      "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]] [--ring-rows R[,R...]]\n"
-      "                    [--trace PREFIX] [--yardstick at-once|one-by-one|interleaved]\n"
+      "                    [--warmup N] [--repeats N] [--seed S] [--json PATH] [--baselines LIST]\n"
+      "                    [--check] [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
+      "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
+      "                    [--yardstick at-once|one-by-one|interleaved]\n"
       "  --warmup N   untimed calls before the timed ones, for every system and yardstick\n"
       "               (default 100: the sustained power state at large sizes)\n"
+      "  --repeats N  run each point's whole sequence (systems, yardsticks) N times and\n"
+      "               report the medians over the repeats (default 1)\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
       "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
@@ -133,6 +140,8 @@ bool parse(int argc, char** argv, Options* o) {
       o->iters = std::atoi(v.c_str());
     } else if (a == "--warmup") {
       o->warmup = std::atoi(v.c_str());
+    } else if (a == "--repeats") {
+      o->repeats = std::atoi(v.c_str());
     } else if (a == "--seed") {
       o->seed = std::strtoull(v.c_str(), nullptr, 10);
     } else if (a == "--json") {
@@ -167,7 +176,7 @@ bool parse(int argc, char** argv, Options* o) {
       return false;
     }
   }
-  return o->iters > 0 && o->warmup >= 0;
+  return o->iters > 0 && o->warmup >= 0 && o->repeats >= 1 && o->repeats <= 9;
 }
 
 // The CPU reference on simulated ranks: proves the math end to end and times it (CPU timing).
@@ -634,6 +643,38 @@ const RankResult& slowest(const std::vector<RankResult>& results) {
       [](const RankResult& a, const RankResult& b) { return a.total_us < b.total_us; });
 }
 
+// --repeats: per rank, the median over the repeats of the total and of each stage, each on its
+// own (the other fields come from the routing and the plan: the same in every repeat).
+std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankResult>>& reps) {
+  std::vector<RankResult> out = reps.front();
+  for (size_t r = 0; r < out.size(); ++r) {
+    std::vector<double> v;
+    for (const auto& rep : reps) v.push_back(rep[r].total_us);
+    out[r].total_us = median(v);
+    for (int st = 0; st < kStages; ++st) {
+      v.clear();
+      for (const auto& rep : reps) v.push_back(rep[r].stage_us[st]);
+      out[r].stage_us[st] = median(v);
+    }
+  }
+  return out;
+}
+
+// The slowest rank's layer time in each repeat.
+std::vector<double> layer_us_per_repeat(const std::vector<std::vector<RankResult>>& reps) {
+  std::vector<double> out;
+  for (const auto& rep : reps) out.push_back(slowest(rep).total_us);
+  return out;
+}
+
+std::string join_numbers(const std::vector<double>& v, const char* sep, int precision) {
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(precision);
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? sep : "") << v[i];
+  return os.str();
+}
+
 // One system's run object: time and rate of the layer and its stages (the slowest rank's), every
 // rank's layer and stage times and computed rows (where the slowest rank's time goes: its own
 // work, or waiting for another rank), the NVLink traffic (a property of the routing, the same for
@@ -651,11 +692,14 @@ struct Yardsticks {
   std::vector<double> dense_tflops_per_gpu;
   const char* mode = "at-once";
   double dense_after_tflops = 0;
+  std::vector<double> dense_tflops_per_repeat;  // --repeats: the GPUs' mean in each repeat
 };
 
+// repeat_us (--repeats): the slowest rank's layer time in each repeat.
 std::string run_json(const char* system, const bench::Preset& p, int64_t T, const LayerConfig& c,
                      const std::vector<RankResult>& ranks, const Check& check,
-                     const Variant* variant, const Yardsticks* yard = nullptr) {
+                     const Variant* variant, const std::vector<double>& repeat_us,
+                     const Yardsticks* yard = nullptr) {
   const RankResult& slow = slowest(ranks);
   const double flops = forward_flops(c, slow.routed_slots);
   const double ffn_flops = forward_flops(c, slow.rows_received);
@@ -677,6 +721,8 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
   js << "], \"rank_rows_received\": [";
   for (size_t r = 0; r < ranks.size(); ++r) js << (r ? ", " : "") << ranks[r].rows_received;
   js << "]";
+  if (repeat_us.size() > 1)
+    js << ", \"repeat_layer_us\": [" << join_numbers(repeat_us, ", ", 2) << "]";
   // json_num: a stage of 0 us (no rows received) gives inf, which is not JSON.
   js << ", \"ffn_tflops_per_gpu\": " << json_num(ffn_flops / slow.stage_us[2] * 1e-6)
      << ", \"dispatch_nvlink_bytes\": " << json_num(slow.nvlink_rows_in * row_bytes)
@@ -700,6 +746,9 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
        << json_num(flops / slow.total_us * 1e-6 / roof->dense_tflops);
     if (yard->dense_after_tflops > 0)
       js << ", \"cublas_dense_tflops_after\": " << json_num(yard->dense_after_tflops);
+    if (yard->dense_tflops_per_repeat.size() > 1)
+      js << ", \"repeat_cublas_dense_tflops\": ["
+         << join_numbers(yard->dense_tflops_per_repeat, ", ", 2) << "]";
     js
        << ", \"hbm_copy_gbs\": " << json_num(roof->hbm_copy_gbs)
        << ", \"weight_stream_us\": " << json_num(stream_us)
@@ -839,15 +888,16 @@ int run_gpu(const Options& o, int devices) {
       std::mutex mu;
       // Per GPU: its yardsticks (measured by its own rank thread when at once or interleaved).
       std::vector<bench::Rooflines> roof_of(ep);
-      std::vector<char> roof_ok(ep, 0);
+      std::vector<int32_t> roof_ok(ep, 0);  // repeats that measured GPU g's yardsticks
       std::vector<double> interleaved_dense(ep, 0);
       const bool interleaved = o.yardstick == Options::Yardstick::kInterleaved && !o.check;
       // The dense yardstick runs on GPU g's own routed rows (at least one tile).
       auto yardstick_rows = [&](int g) { return std::max<int64_t>(results[g].rows_received, 128); };
       auto measure_yardsticks = [&](int g) {
-        roof_ok[g] = bench::measure_rooflines(yardstick_rows(g), c.hidden, c.intermediate,
-                                              o.warmup, o.iters, &roof_of[g])
-                         .ok();
+        if (bench::measure_rooflines(yardstick_rows(g), c.hidden, c.intermediate, o.warmup,
+                                     o.iters, &roof_of[g])
+                .ok())
+          ++roof_ok[g];
       };
       auto keep_times = [&mu](const RankResult& from, RankResult* to) {
         std::lock_guard<std::mutex> lock(mu);
@@ -857,38 +907,69 @@ int run_gpu(const Options& o, int devices) {
       };
       // Every system on one communicator, one after the other: every rank destroys each EPFlow
       // layer (and its windows) before the next system's calls, in the same order.
-      const Status s = run_on_local_gpus(ep, [&](int rank, ncclComm_t comm) {
-        LayerConfig rc = c;
-        rc.ep_rank = rank;
-        RankResult r;
-        for (size_t v = 0; v < variants.size(); ++v) {
-          const std::string trace =
-              v == 0 && !o.trace.empty()
-                  ? o.trace + "-" + p->name + "-" + std::to_string(T) + "-rank" +
-                        std::to_string(rank) + ".csv"
-                  : "";
-          const int64_t interleave_rows = v == 0 && interleaved ? yardstick_rows(rank) : 0;
-          EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(rc, variants[v], routing, T, o, comm, checked,
-                                                   &r, &y_variant[v][rank], trace,
-                                                   interleave_rows));
-          keep_times(r, &variant_results[v][rank]);
-          if (interleave_rows > 0) interleaved_dense[rank] = r.interleaved_dense_tflops;
+      auto measure = [&] {
+        return run_on_local_gpus(ep, [&](int rank, ncclComm_t comm) {
+          LayerConfig rc = c;
+          rc.ep_rank = rank;
+          RankResult r;
+          for (size_t v = 0; v < variants.size(); ++v) {
+            const std::string trace =
+                v == 0 && !o.trace.empty()
+                    ? o.trace + "-" + p->name + "-" + std::to_string(T) + "-rank" +
+                          std::to_string(rank) + ".csv"
+                    : "";
+            const int64_t interleave_rows = v == 0 && interleaved ? yardstick_rows(rank) : 0;
+            EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(rc, variants[v], routing, T, o, comm, checked,
+                                                     &r, &y_variant[v][rank], trace,
+                                                     interleave_rows));
+            keep_times(r, &variant_results[v][rank]);
+            if (interleave_rows > 0) interleaved_dense[rank] = r.interleaved_dense_tflops;
+          }
+          if (nccl_cublas) {
+            EPFLOW_RETURN_IF_ERROR(
+                bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
+            keep_times(r, &base_results[rank]);
+          }
+          // NOTES: at once, every GPU busy as during the layer. One GPU after the other gave the
+          // same rates within ~1% in a same-call comparison (docs/benchmarks.md, "Yardstick
+          // order"). The power limiter lets the first ~0.5 s of a busy phase run above the
+          // sustained clock; the default warm-up (Options::warmup) outlasts it at large sizes.
+          if (o.yardstick != Options::Yardstick::kOneByOne && !o.check) measure_yardsticks(rank);
+          return Status::ok_status();
+        });
+      };
+      // --repeats: the whole sequence again, each repeat's results kept; then their medians.
+      std::vector<std::vector<std::vector<RankResult>>> variant_reps(variants.size());
+      std::vector<std::vector<RankResult>> base_reps;
+      std::vector<std::vector<bench::Rooflines>> roof_reps;
+      std::vector<std::vector<double>> interleaved_reps;
+      for (int32_t rep = 0; rep < o.repeats; ++rep) {
+        if (const Status s = measure(); !s.ok()) {
+          std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
+          return 1;
         }
-        if (nccl_cublas) {
-          EPFLOW_RETURN_IF_ERROR(
-              bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
-          keep_times(r, &base_results[rank]);
+        // One GPU after the other, nothing else running (--yardstick one-by-one).
+        if (o.yardstick == Options::Yardstick::kOneByOne && !o.check)
+          for (int32_t g = 0; g < ep; ++g)
+            if (cudaSetDevice(g) == cudaSuccess) measure_yardsticks(g);
+        for (size_t v = 0; v < variants.size(); ++v) variant_reps[v].push_back(variant_results[v]);
+        base_reps.push_back(base_results);
+        roof_reps.push_back(roof_of);
+        interleaved_reps.push_back(interleaved_dense);
+      }
+      for (size_t v = 0; v < variants.size(); ++v)
+        variant_results[v] = median_over_repeats(variant_reps[v]);
+      base_results = median_over_repeats(base_reps);
+      for (int32_t g = 0; g < ep; ++g) {
+        std::vector<double> dense, copy, inter;
+        for (int32_t rep = 0; rep < o.repeats; ++rep) {
+          dense.push_back(roof_reps[rep][g].dense_tflops);
+          copy.push_back(roof_reps[rep][g].hbm_copy_gbs);
+          inter.push_back(interleaved_reps[rep][g]);
         }
-        // NOTES: at once, every GPU busy as during the layer. One GPU after the other gave the
-        // same rates within ~1% in a same-call comparison (docs/benchmarks.md, "Yardstick
-        // order"). The power limiter lets the first ~0.5 s of a busy phase run above the
-        // sustained clock; the default warm-up (Options::warmup) outlasts it at large sizes.
-        if (o.yardstick != Options::Yardstick::kOneByOne && !o.check) measure_yardsticks(rank);
-        return Status::ok_status();
-      });
-      if (!s.ok()) {
-        std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
-        return 1;
+        roof_of[g].dense_tflops = median(dense);
+        roof_of[g].hbm_copy_gbs = median(copy);
+        interleaved_dense[g] = median(inter);
       }
       std::vector<Check> variant_check(variants.size());
       Check base_check;
@@ -907,17 +988,14 @@ int run_gpu(const Options& o, int devices) {
       print_epflow(*p, T, c, variant_results[0]);
       // Yardsticks from this run (their mean over the GPUs: GPUs of one host clock differently
       // under load): cuBLAS dense bf16 on each GPU's routed rows and the HBM copy rate (weights
-      // streamed at decode sizes); at once (measured above, by every rank), or here one GPU
-      // after the other with nothing else running.
-      if (o.yardstick == Options::Yardstick::kOneByOne && !o.check)
-        for (int32_t g = 0; g < ep; ++g)
-          if (cudaSetDevice(g) == cudaSuccess) measure_yardsticks(g);
+      // streamed at decode sizes).
       Yardsticks yard;
       yard.mode = yardstick_mode(o.yardstick).name;
       bench::Rooflines& roof = yard.mean;
       std::string roof_per_gpu;
-      const bool have_roof = !o.check && std::all_of(roof_ok.begin(), roof_ok.end(),
-                                                      [](char ok) { return ok != 0; });
+      const bool have_roof =
+          !o.check && std::all_of(roof_ok.begin(), roof_ok.end(),
+                                  [&](int32_t measured) { return measured == o.repeats; });
       for (int32_t g = 0; g < ep && have_roof; ++g) {
         const double dense = interleaved ? interleaved_dense[g] : roof_of[g].dense_tflops;
         roof.dense_tflops += dense / ep;
@@ -925,6 +1003,12 @@ int run_gpu(const Options& o, int devices) {
         if (interleaved) yard.dense_after_tflops += roof_of[g].dense_tflops / ep;
         yard.dense_tflops_per_gpu.push_back(dense);
         roof_per_gpu += (g ? ", " : "") + std::to_string(static_cast<int>(dense));
+      }
+      for (int32_t rep = 0; rep < o.repeats && have_roof; ++rep) {
+        double mean = 0;
+        for (int32_t g = 0; g < ep; ++g)
+          mean += (interleaved ? interleaved_reps[rep][g] : roof_reps[rep][g].dense_tflops) / ep;
+        yard.dense_tflops_per_repeat.push_back(mean);
       }
       if (have_roof) {
         const double stream_us = weight_bytes(c) / (roof.hbm_copy_gbs * 1e3);
@@ -942,6 +1026,15 @@ int run_gpu(const Options& o, int devices) {
                       yard.dense_after_tflops,
                       100.0 * layer_tflops / yard.dense_after_tflops);
       }
+      if (o.repeats > 1) {
+        std::printf("  repeats (%d; every figure here is the median over them): layer us %s",
+                    o.repeats,
+                    join_numbers(layer_us_per_repeat(variant_reps[0]), " / ", 1).c_str());
+        if (have_roof)
+          std::printf("; cuBLAS dense TFLOP/s %s",
+                      join_numbers(yard.dense_tflops_per_repeat, " / ", 1).c_str());
+        std::printf("\n");
+      }
       std::printf("  %-26s %10s %12s %14s  %s\n", "system", "us", "TFLOP/s/GPU",
                   "EPFlow speedup", "check");
       for (size_t v = 0; v < variants.size(); ++v) {
@@ -956,7 +1049,7 @@ int run_gpu(const Options& o, int devices) {
         print_system(label, c, vs, v == 0 ? nullptr : &slow, variant_check[v], checked.size());
         json << (first ? "" : ",") << "\n    "
              << run_json(variants[v].system, *p, T, c, variant_results[v], variant_check[v],
-                         &variants[v],
+                         &variants[v], layer_us_per_repeat(variant_reps[v]),
                          v == 0 && have_roof ? &yard : nullptr);
         first = false;
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
@@ -968,7 +1061,9 @@ int run_gpu(const Options& o, int devices) {
         for (int st = 0; st < kStages; ++st)
           std::printf("%s %s %.1f", st ? "," : "", kStageNames[st], base.stage_us[st]);
         std::printf("\n");
-        json << ",\n    " << run_json(kNcclCublas, *p, T, c, base_results, base_check, nullptr);
+        json << ",\n    "
+             << run_json(kNcclCublas, *p, T, c, base_results, base_check, nullptr,
+                         layer_us_per_repeat(base_reps));
         all_ok = all_ok && base_check.ok();
       }
     }

@@ -10,7 +10,7 @@ epflow-bench) and the PyTorch layer matches an fp32 reference (torch_moe.py --ch
 
 Usage: bench/run_all.py --out results.json [--bench build/epflow-bench] [--dump PATH]
          [--png results.png] [--presets a,b] [--tokens 128,512] [--ep 1,2] [--iters N]
-         [--warmup N] [--seed S] [--yardstick at-once|one-by-one|interleaved]"""
+         [--warmup N] [--repeats N] [--seed S] [--yardstick at-once|one-by-one|interleaved]"""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=100,
                     help="untimed calls first, every system and yardstick (epflow-bench's)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="epflow-bench's --repeats: medians over N runs of each point's sequence "
+                    "(EPFlow, its unfused chain, NCCL+cuBLAS, yardsticks; NCCL+PyTorch runs once)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--yardstick", default="at-once",
                     choices=["at-once", "one-by-one", "interleaved"],
@@ -119,7 +122,8 @@ def main() -> int:
         for ep in eps:
             part = Path(tmp) / f"epflow-ep{ep}.json"
             docs.append(run_json([str(bench), "--ep", str(ep), "--preset", args.presets, *common,
-                                  "--yardstick", args.yardstick, "--json", str(part)], env, part))
+                                  "--yardstick", args.yardstick, "--repeats", str(args.repeats),
+                                  "--json", str(part)], env, part))
             part = Path(tmp) / f"torch-ep{ep}.json"
             docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets", args.presets,
                                   *common, "--json", str(part)], env, part))
