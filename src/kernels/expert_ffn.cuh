@@ -36,6 +36,27 @@ struct ExpertFfnArgs {
 // h then y, stream-ordered. Rows at or past seg_offset[experts] are not touched.
 cudaError_t launch_expert_ffn(const ExpertFfnArgs& args, cudaStream_t stream);
 
+// The backward's input gradients through one of the FFN's weights, on the same grouped rows:
+// out = rows W with W read N-major (wgmma's transposed B: no transposed copy of the weights).
+// The down GEMM's dh = dz W_down ([rows, H] x [H, I]: k = H, n = I, w0 = W_down) and the gate/up
+// GEMM's dx = [dg | du] [W_gate; W_up] ([rows, 2I] x [2I, H]: k = 2I, k0 = I, w0 = W_gate,
+// w1 = W_up, n = H). Rows at or past seg_offset[experts] are not touched; with expert_rows, rows
+// of a tile that are all padding are left unwritten, as in the forward.
+struct ExpertDgradArgs {
+  int32_t experts = 0;
+  int64_t max_rows = 0;                 // multiple of kExpertFfnTileM
+  const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  const int32_t* expert_rows = nullptr;  // optional, device [experts]
+  int64_t k = 0;                        // columns of `rows`, multiple of 64
+  int64_t n = 0;                        // output columns, multiple of 64
+  int64_t k0 = 0;                       // K served by w0 (multiple of 64); 0 or k: all of it
+  const __nv_bfloat16* rows = nullptr;  // [max_rows, k]
+  const __nv_bfloat16* w0 = nullptr;    // [experts, k0, n]
+  const __nv_bfloat16* w1 = nullptr;    // [experts, k - k0, n]; unused when k0 is 0 or k
+  __nv_bfloat16* out = nullptr;         // [max_rows, n]
+};
+cudaError_t launch_expert_dgrad(const ExpertDgradArgs& args, cudaStream_t stream);
+
 // The two halves (one kernel per file), on a device with sm_count SMs.
 cudaError_t launch_expert_ffn_gate_up(const ExpertFfnArgs& args, int32_t sm_count,
                                       cudaStream_t stream);

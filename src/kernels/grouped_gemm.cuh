@@ -11,6 +11,11 @@
 // runs the next tile's mainloop. setmaxnreg moves registers from the producer to the consumers.
 // The producer runs ahead into the next tile while consumers finish the epilogue.
 //
+// Weights: kK, [N, K] per expert with K contiguous (nn.Linear's weight in x W^T: the forward);
+// kN, [K, N] per expert with N contiguous (the same weight in dy W: the backward's input
+// gradients, wgmma's transposed B). A kN tile's K may come from two weights, the first
+// b0_k_blocks k-blocks from map_b0 and the rest from map_b1 ([dg | du] [W_gate; W_up]).
+//
 // Epilogues: kSwiGLU (gate/up): the 256 B rows are 128 gate rows then the same 128 up rows of
 // expert e, so each thread holds gate and up of the same columns and writes silu(g) * u as bf16
 // (no [rows, 2I] tensor); kStore (down): writes the 256 columns as bf16.
@@ -33,6 +38,7 @@
 namespace epflow::kernels::gemm {
 
 enum class Epilogue { kSwiGLU, kStore };
+enum class WeightMajor { kK, kN };
 
 inline constexpr int kBlockM = 128;  // = the schedule's segment padding (kExpertFfnTileM)
 inline constexpr int kBlockK = 64;   // one 128-byte swizzle row of bf16
@@ -49,6 +55,7 @@ struct GemmParams {
   int32_t experts = 0;
   int32_t n_out = 0;  // output columns (I for gate/up, H for down); multiple of 64
   int32_t k = 0;      // reduction length, multiple of kBlockK
+  int32_t b0_k_blocks = 0;  // WeightMajor::kN: k-blocks read from map_b0 (0: all of them)
 };
 
 // Output staging of one consumer warpgroup: its 64 rows as kOutCols / 64 boxes of 64 rows x
@@ -121,13 +128,14 @@ struct StageTag {
   TileCoord tile;
 };
 
-template <Epilogue kEpi, int kStages, int kStaging>
+template <Epilogue kEpi, int kStages, int kStaging, WeightMajor kMajor = WeightMajor::kK>
 __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, const CUtensorMap* map_a,
                                              const CUtensorMap* map_a_rows,
                                              const CUtensorMap* map_b0, const CUtensorMap* map_b1,
-                                             StageTag* stage_tag = nullptr, int64_t task_id = 0) {
+                                             StageTag* stage_tag = nullptr, int64_t task_id = 0,
+                                             int32_t b0_k_blocks = 0) {
   // stage_tag (a megakernel's dynamic schedule): written next to the tile's first stage, for the
   // consumers to read once that stage is full.
   // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
@@ -149,7 +157,17 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
         ptx::tma_load_2d(s.a[ps.stage] + box * kRowBoxM * kBlockK * 2, map_a_rows, kb * kBlockK,
                          c.a_row + box * kRowBoxM, full);
     }
-    if constexpr (kEpi == Epilogue::kSwiGLU) {
+    if constexpr (kMajor == WeightMajor::kN) {
+      // Four boxes of 64 N x 64 K, 8 KB apart (the layout smem_desc_n_major_sw128 describes).
+      static_assert(kEpi == Epilogue::kStore, "N-major weights feed plain outputs");
+      const bool first = b0_k_blocks == 0 || kb < b0_k_blocks;
+      const CUtensorMap* map_b = first ? map_b0 : map_b1;
+      const int32_t k = (first ? kb : kb - b0_k_blocks) * kBlockK;
+#pragma unroll
+      for (int box = 0; box < kBlockNMma / 64; ++box)
+        ptx::tma_load_3d(s.b[ps.stage] + box * 64 * kBlockK * 2, map_b,
+                         c.n_tile * kBlockNMma + box * 64, k, c.expert, full);
+    } else if constexpr (kEpi == Epilogue::kSwiGLU) {
       constexpr int kHalf = kBlockNMma / 2;
       ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kHalf, c.expert, full);
       ptx::tma_load_3d(s.b[ps.stage] + kHalf * kBlockK * 2, map_b1, kb * kBlockK, c.n_tile * kHalf,
@@ -195,7 +213,8 @@ struct DirectStoreSink {
 };
 
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
-template <Epilogue kEpi, int kStages, int kStaging, class Sink>
+template <Epilogue kEpi, int kStages, int kStaging, class Sink,
+          WeightMajor kMajor = WeightMajor::kK>
 __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, int wg, Sink& sink) {
@@ -220,7 +239,11 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   float acc[kBlockNMma / 2];
   // Stage 0's descriptors; a stage and a 16-element step along K are fixed byte offsets from them.
   const uint64_t a_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
-  const uint64_t b_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
+  constexpr bool kNMajor = kMajor == WeightMajor::kN;
+  const uint64_t b_desc0 = kNMajor ? ptx::smem_desc_n_major_sw128(ptx::smem_addr(s.b[0]))
+                                   : ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
+  // A 16-deep K step: 32 B along a K-major row, or 16 rows of 128 B down an N-major box.
+  constexpr uint32_t kBStepBytes = kNMajor ? 16 * 128 : 32;
   // NOTES: release stage kb-1 only after the wgmma group of kb is issued and kb-1's has
   // retired (wait_group 1): the tensor cores always have the next k-block queued.
   PipelineState<kStages> release = ps;
@@ -231,8 +254,9 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      ptx::wgmma_m64n256k16_bf16(acc, ptx::smem_desc_advance(a_desc, kk * 32),
-                                 ptx::smem_desc_advance(b_desc, kk * 32), kb > 0 || kk > 0);
+      ptx::wgmma_m64n256k16_bf16<kNMajor ? 1 : 0>(acc, ptx::smem_desc_advance(a_desc, kk * 32),
+                                                  ptx::smem_desc_advance(b_desc, kk * kBStepBytes),
+                                                  kb > 0 || kk > 0);
     }
     ptx::wgmma_commit_group();
     ptx::wgmma_fence_operands(acc);
@@ -291,7 +315,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
 }
 
 // Standalone persistent driver: every CTA walks tiles blockIdx.x, + gridDim.x, ...
-template <Epilogue kEpi, int kStages>
+template <Epilogue kEpi, int kStages, WeightMajor kMajor>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_a_rows,
@@ -327,16 +351,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0) {
       for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
-        produce_tile<kEpi>(
+        produce_tile<kEpi, kStages, kStagingBytes<kEpi>, kMajor>(
             s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts),
-            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1);
+            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, nullptr, 0, p.b0_k_blocks);
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
     DirectStoreSink<kEpi> sink{&map_out};
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts);
-      consume_tile<kEpi>(s, ps, c, k_blocks, wg - 1, sink);
+      consume_tile<kEpi, kStages, kStagingBytes<kEpi>, DirectStoreSink<kEpi>, kMajor>(
+          s, ps, c, k_blocks, wg - 1, sink);
     }
     if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }
@@ -364,7 +389,8 @@ inline bool encode_output_map(void* out, int64_t n, int64_t max_rows, CUtensorMa
   return encode_bf16_tensor_map(map, out, 2, dims, box).ok();
 }
 // Expert weights [experts, n, k] (nn.Linear layout per expert) in boxes of box_rows rows; 3-D,
-// so a tile past n reads zeros, never the next expert. Gate and up: kBlockNMma / 2 rows each
+// so a tile past n reads zeros, never the next expert. The same weights read N-major (dy W):
+// encode_weight_map_n_major maps [experts, k, n] in boxes of 64 n x 64 k. Gate and up: kBlockNMma / 2 rows each
 // (a gate/up tile is 128 gate + the same 128 up rows); down: kBlockNMma.
 inline bool encode_weight_map(const void* w, int64_t experts, int64_t n, int64_t k,
                               uint32_t box_rows, CUtensorMap* map) {
@@ -373,10 +399,18 @@ inline bool encode_weight_map(const void* w, int64_t experts, int64_t n, int64_t
   return encode_bf16_tensor_map(map, w, 3, dims, box).ok();
 }
 
+inline bool encode_weight_map_n_major(const void* w, int64_t experts, int64_t k, int64_t n,
+                                      CUtensorMap* map) {
+  const uint64_t dims[3] = {uint64_t(n), uint64_t(k), uint64_t(experts)};
+  const uint32_t box[3] = {64, kBlockK, 1};
+  return encode_bf16_tensor_map(map, w, 3, dims, box).ok();
+}
+
 // Host side: maps the row operand `rows` [max_rows, p.k] and the output `out` [max_rows,
 // p.n_out], then launches the persistent kernel on at most sm_count CTAs. map_b0/map_b1: the
-// weight tiles (kSwiGLU: gate and up, 128 rows each; kStore: one map of 256-row tiles).
-template <Epilogue kEpi, int kStages>
+// weight tiles (kSwiGLU: gate and up, 128 rows each; kStore: one map of 256-row tiles; kN: the
+// N-major maps of the weights feeding K's two parts, or the same one twice).
+template <Epilogue kEpi, int kStages, WeightMajor kMajor = WeightMajor::kK>
 cudaError_t launch_grouped_gemm(const void* rows, int64_t max_rows, const CUtensorMap& map_b0,
                                 const CUtensorMap& map_b1, void* out, const GemmParams& p,
                                 int32_t sm_count, cudaStream_t stream) {
@@ -387,7 +421,7 @@ cudaError_t launch_grouped_gemm(const void* rows, int64_t max_rows, const CUtens
   const int64_t max_tiles =
       max_rows / kBlockM * ((p.n_out + kOutCols<kEpi> - 1) / kOutCols<kEpi>);
   const int grid = static_cast<int>(max_tiles < sm_count ? max_tiles : sm_count);
-  auto* kernel = grouped_gemm_kernel<kEpi, kStages>;
+  auto* kernel = grouped_gemm_kernel<kEpi, kStages, kMajor>;
   constexpr size_t smem = shared_bytes<kEpi, kStages>();
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/routing_schedule.h"
-#include "common/splitmix64.h"
+#include "expert_test_data.h"
 #include "gpu_test_util.h"
 #include "kernels/expert_ffn.cuh"
 
@@ -23,57 +23,7 @@ namespace epflow {
 namespace {
 
 using kernels::kExpertFfnTileM;
-
-constexpr uint16_t kPoison = 0xFFFF;  // a bf16 NaN
-constexpr double kMaxRelError = 1e-2;
-
-float bf16_to_float(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// Round to nearest even (the inputs are finite).
-uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// Element `index` of stream `stream`: uniform over the odd multiples of 2^-24 in (-1, 1), as
-// the synthetic inputs draw them (never 0, and bf16 keeps float's exponent range, so never 0
-// after rounding either). Counter-based, so parallel fills give the same data.
-float signed_unit(uint64_t seed, uint64_t stream, uint64_t index) {
-  const uint64_t draw = splitmix64(splitmix64(seed ^ (stream << 56)) ^ index);
-  const int32_t odd = static_cast<int32_t>(2 * static_cast<uint32_t>(draw >> 40) + 1) - (1 << 24);
-  return static_cast<float>(odd) * 0x1p-24f;
-}
-
-// f(i) for i in [0, n), spread over the host's cores.
-template <class F>
-void parallel_for(int64_t n, const F& f) {
-  const int64_t workers =
-      std::clamp<int64_t>(static_cast<int64_t>(std::thread::hardware_concurrency()), 1, 64);
-  std::vector<std::thread> pool;
-  for (int64_t w = 0; w < std::min(workers, n); ++w)
-    pool.emplace_back([&f, n, w, workers] {
-      for (int64_t i = w; i < n; i += workers) f(i);
-    });
-  for (auto& t : pool) t.join();
-}
-
-// rows x cols bf16, element (r, c) = scale * signed_unit(seed, stream, r * cols + c).
-void fill_uniform(std::vector<uint16_t>* v, int64_t rows, int64_t cols, float scale, uint64_t seed,
-                  uint64_t stream) {
-  v->resize(rows * cols);
-  parallel_for(rows, [&](int64_t r) {
-    for (int64_t c = 0; c < cols; ++c)
-      (*v)[r * cols + c] =
-          float_to_bf16(scale * signed_unit(seed, stream, static_cast<uint64_t>(r * cols + c)));
-  });
-}
+using namespace test_data;
 
 struct Case {
   std::string name;
@@ -83,18 +33,6 @@ struct Case {
   int64_t sample_per_expert;  // 0: check every routed row; else this many rows per expert
   uint64_t seed;
 };
-
-// Routed rows of expert e that the reference checks: all, or an even spread that includes the
-// first and the last.
-std::vector<int64_t> sampled_rows(int64_t rows, int64_t sample) {
-  std::vector<int64_t> out;
-  if (sample == 0 || sample >= rows) {
-    for (int64_t i = 0; i < rows; ++i) out.push_back(i);
-  } else {
-    for (int64_t j = 0; j < sample; ++j) out.push_back(j * (rows - 1) / (sample - 1));
-  }
-  return out;
-}
 
 struct RowError {  // squared norms over one checked row
   double h_err = 0, h_ref = 0, y_err = 0, y_ref = 0;
@@ -179,22 +117,10 @@ void run_case(const Case& c, bool pass_expert_rows) {
   for (void* p : {static_cast<void*>(d_seg), static_cast<void*>(d_rows), d_x, d_gate, d_up, d_down, d_h, d_y})
     EPFLOW_CUDA_CHECK(cudaFree(p));
 
-  // (a) every routed row (and, without expert_rows, every padding row too) was written: no NaN,
-  // no infinity. (b) rows past the last segment still hold the poison, bit for bit.
+  // (a) every routed row (and, without expert_rows, every padding row too) was written; (b)
+  // rows past the last segment still hold the poison, bit for bit.
   auto check_written = [&](const std::vector<uint16_t>& out, int64_t cols, const char* what) {
-    int64_t bad_written = 0, bad_poison = 0, first_written = -1, first_poison = -1;
-    for (int32_t e = 0; e < E; ++e) {
-      const int64_t end = pass_expert_rows ? seg[e] + c.rows[e] : seg[e + 1];
-      for (int64_t i = seg[e] * cols; i < end * cols; ++i)
-        if (!std::isfinite(bf16_to_float(out[i])) && bad_written++ == 0) first_written = i;
-    }
-    for (int64_t i = total * cols; i < max_rows * cols; ++i)
-      if (out[i] != kPoison && bad_poison++ == 0) first_poison = i;
-    EXPECT_EQ(bad_written, 0) << what << ": non-finite elements in segment rows, first at row "
-                              << first_written / cols << " col " << first_written % cols;
-    EXPECT_EQ(bad_poison, 0) << what << ": elements written past seg_offset[E] = " << total
-                             << ", first at row " << first_poison / cols << " col "
-                             << first_poison % cols;
+    expect_written(out, cols, seg, c.rows, pass_expert_rows, max_rows, what);
   };
   check_written(h, I, "h");
   check_written(y, H, "y");

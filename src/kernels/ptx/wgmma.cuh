@@ -1,7 +1,9 @@
 // Thin wrappers over Hopper's warpgroup MMA (wgmma, sm_90a). Both operands come from shared
-// memory through matrix descriptors, K-major, 128-byte swizzled (the layout TMA writes with
-// CU_TENSOR_MAP_SWIZZLE_128B): a tile of R rows x 64 bf16 is R/8 swizzle atoms of 8 rows x 128 B,
-// 1024 B apart.
+// memory through matrix descriptors, 128-byte swizzled (the layout TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B). K-major (A, and B of x W^T): a tile of R rows x 64 bf16 of K is
+// R/8 swizzle atoms of 8 rows x 128 B, 1024 B apart. N-major (B of dy W, the backward's input
+// gradients): the tile is boxes of 64 N (128 B) x 64 K rows, 8 KB apart; inside a box the K rows
+// are 128 B apart, again in atoms of 8 rows.
 //
 // Accumulator layout of m64nN (per warpgroup of 128 threads): warp w of the group owns rows
 // 16w..16w+15; with g = lane / 4 and q = lane % 4, register 4j + {0,1} holds row 16w + g,
@@ -22,6 +24,19 @@ __device__ __forceinline__ uint64_t smem_desc_k_major_sw128(uint32_t smem_addr) 
   uint64_t desc = 0;
   desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
   desc |= static_cast<uint64_t>(1) << 16;
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;
+  desc |= static_cast<uint64_t>(1) << 62;
+  return desc;
+}
+
+// Shared-memory matrix descriptor of an N-major (MN-major), 128B-swizzled B tile made of boxes
+// of 64 N x 64 K (N contiguous): leading byte offset = from one 64-wide N chunk to the next (the
+// 8 KB box), stride byte offset = from one group of 8 K rows to the next (1024 B). A 16-deep K
+// step is 16 rows = 2048 B further on.
+__device__ __forceinline__ uint64_t smem_desc_n_major_sw128(uint32_t smem_addr) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>(8192 >> 4) << 16;
   desc |= static_cast<uint64_t>(1024 >> 4) << 32;
   desc |= static_cast<uint64_t>(1) << 62;
   return desc;
@@ -56,8 +71,10 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[n]) {
   for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D[64x256] (+)= A[64x16] * B[16x256]: bf16 in, fp32 accumulators, A and B K-major in shared
-// memory (descriptors). d holds this thread's 128 accumulators (layout in the header comment).
+// D[64x256] (+)= A[64x16] * B[16x256]: bf16 in, fp32 accumulators, A K-major and B K-major
+// (kTransB = 0) or N-major (1) in shared memory (descriptors). d holds this thread's 128
+// accumulators (layout in the header comment).
+template <int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a,
                                                    uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -81,7 +98,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       " %104, %105, %106, %107, %108, %109, %110, %111,"
       " %112, %113, %114, %115, %116, %117, %118, %119,"
       " %120, %121, %122, %123, %124, %125, %126, %127},"
-      " %128, %129, p, 1, 1, 0, 0;\n"
+      " %128, %129, p, 1, 1, 0, %131;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -99,7 +116,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int32_t>(accumulate)));
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int32_t>(accumulate)), "n"(kTransB));
 }
 
 }  // namespace epflow::ptx
