@@ -57,6 +57,23 @@ struct ExpertDgradArgs {
 };
 cudaError_t launch_expert_dgrad(const ExpertDgradArgs& args, cudaStream_t stream);
 
+// The backward's weight gradients: for every local expert e, dw[e] = lhs_eᵀ rhs_e summed over
+// the expert's rows seg_offset[e] .. seg_offset[e + 1] (K = its rows, padded to the tile; the
+// padding rows of lhs or rhs must be zero, as the layer leaves them). dW_down = dzᵀ h (lhs = dz
+// [rows, H], rhs = h [rows, I], dw [E, H, I]); dW_gate = dgᵀ x and dW_up = duᵀ x ([E, I, H]).
+// Written, not accumulated (an expert without rows gets zeros); the same order of additions on
+// every run.
+struct ExpertWgradArgs {
+  int32_t experts = 0;
+  int64_t max_rows = 0;                 // multiple of kExpertFfnTileM
+  const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  int64_t m = 0, n = 0;                 // dw[e] is [m, n]; both multiples of 64
+  const __nv_bfloat16* lhs = nullptr;   // [max_rows, m]
+  const __nv_bfloat16* rhs = nullptr;   // [max_rows, n]
+  __nv_bfloat16* dw = nullptr;          // [experts, m, n]
+};
+cudaError_t launch_expert_wgrad(const ExpertWgradArgs& args, cudaStream_t stream);
+
 // The two halves (one kernel per file), on a device with sm_count SMs.
 cudaError_t launch_expert_ffn_gate_up(const ExpertFfnArgs& args, int32_t sm_count,
                                       cudaStream_t stream);

@@ -39,6 +39,10 @@ namespace epflow::kernels::gemm {
 
 enum class Epilogue { kSwiGLU, kStore };
 enum class WeightMajor { kK, kN };
+// The row operand A: kK, rows [M, K] with K contiguous (activations times weights); kM, the
+// reduction runs down the rows (weight gradients: A = dyᵀ over an expert's rows, M contiguous),
+// loaded like an N-major weight tile: 64 M x 64 K boxes, one per consumer warpgroup.
+enum class RowsMajor { kK, kM };
 
 inline constexpr int kBlockM = 128;  // = the schedule's segment padding (kExpertFfnTileM)
 inline constexpr int kBlockK = 64;   // one 128-byte swizzle row of bf16
@@ -214,7 +218,7 @@ struct DirectStoreSink {
 
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
 template <Epilogue kEpi, int kStages, int kStaging, class Sink,
-          WeightMajor kMajor = WeightMajor::kK>
+          WeightMajor kMajor = WeightMajor::kK, RowsMajor kRows = RowsMajor::kK>
 __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, int wg, Sink& sink) {
@@ -237,8 +241,18 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   }
   if constexpr (Sink::kDirect) sink.prepare(c, wg, tid);
   float acc[kBlockNMma / 2];
+  constexpr bool kMMajor = kRows == RowsMajor::kM;
+  if constexpr (kMMajor) {
+    // A weight gradient of an expert with no rows is zero (no wgmma writes the accumulators).
+    if (k_blocks == 0)
+#pragma unroll
+      for (int i = 0; i < kBlockNMma / 2; ++i) acc[i] = 0.0f;
+  }
   // Stage 0's descriptors; a stage and a 16-element step along K are fixed byte offsets from them.
-  const uint64_t a_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
+  const uint64_t a_desc0 =
+      kMMajor ? ptx::smem_desc_n_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * kBlockK * 2)
+              : ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
+  constexpr uint32_t kAStepBytes = kMMajor ? 16 * 128 : 32;
   constexpr bool kNMajor = kMajor == WeightMajor::kN;
   const uint64_t b_desc0 = kNMajor ? ptx::smem_desc_n_major_sw128(ptx::smem_addr(s.b[0]))
                                    : ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
@@ -254,9 +268,9 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      ptx::wgmma_m64n256k16_bf16<kNMajor ? 1 : 0>(acc, ptx::smem_desc_advance(a_desc, kk * 32),
-                                                  ptx::smem_desc_advance(b_desc, kk * kBStepBytes),
-                                                  kb > 0 || kk > 0);
+      ptx::wgmma_m64n256k16_bf16<kMMajor ? 1 : 0, kNMajor ? 1 : 0>(
+          acc, ptx::smem_desc_advance(a_desc, kk * kAStepBytes),
+          ptx::smem_desc_advance(b_desc, kk * kBStepBytes), kb > 0 || kk > 0);
     }
     ptx::wgmma_commit_group();
     ptx::wgmma_fence_operands(acc);
@@ -314,6 +328,16 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   }
 }
 
+// Thread 0 of a GEMM CTA: the stage ring's barriers, before anyone uses them.
+template <int kStages, int kStaging>
+__device__ __forceinline__ void init_stage_barriers(GemmSmem<kStages, kStaging>& s) {
+  for (int i = 0; i < kStages; ++i) {
+    ptx::mbarrier_init(&s.full[i], 1);
+    ptx::mbarrier_init(&s.empty[i], 2);  // one arrival per consumer warpgroup
+  }
+  ptx::mbarrier_init_fence();
+}
+
 // Standalone persistent driver: every CTA walks tiles blockIdx.x, + gridDim.x, ...
 template <Epilogue kEpi, int kStages, WeightMajor kMajor>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -327,11 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      ptx::mbarrier_init(&s.full[i], 1);
-      ptx::mbarrier_init(&s.empty[i], 2);  // one arrival per consumer warpgroup
-    }
-    ptx::mbarrier_init_fence();
+    init_stage_barriers(s);
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_a_rows);
     ptx::prefetch_tensor_map(&map_b0);

@@ -71,10 +71,11 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[n]) {
   for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D[64x256] (+)= A[64x16] * B[16x256]: bf16 in, fp32 accumulators, A K-major and B K-major
-// (kTransB = 0) or N-major (1) in shared memory (descriptors). d holds this thread's 128
-// accumulators (layout in the header comment).
-template <int kTransB = 0>
+// D[64x256] (+)= A[64x16] * B[16x256]: bf16 in, fp32 accumulators, A K-major (kTransA = 0) or
+// M-major (1, the weight gradients' A = dyᵀ) and B K-major (kTransB = 0) or N-major (1) in shared
+// memory (descriptors; an M-major A tile is laid out as an N-major B tile). d holds this thread's
+// 128 accumulators (layout in the header comment).
+template <int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a,
                                                    uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -98,7 +99,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       " %104, %105, %106, %107, %108, %109, %110, %111,"
       " %112, %113, %114, %115, %116, %117, %118, %119,"
       " %120, %121, %122, %123, %124, %125, %126, %127},"
-      " %128, %129, p, 1, 1, 0, %131;\n"
+      " %128, %129, p, 1, 1, %131, %132;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -116,7 +117,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int32_t>(accumulate)), "n"(kTransB));
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int32_t>(accumulate)), "n"(kTransA),
+        "n"(kTransB));
 }
 
 }  // namespace epflow::ptx
