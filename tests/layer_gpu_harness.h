@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "epflow/communicator.h"
+#include "gpu_test_util.h"
 #include "epflow/epflow.h"
 #include "host/layer_internals.h"
 #include "reference/reference_layer.h"
@@ -36,6 +37,19 @@ inline int device_count() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
+
+}  // namespace epflow::testing
+
+// Skips the test (saying why) unless n CUDA devices are present.
+#define EPFLOW_SKIP_WITHOUT_GPUS(n)                                                           \
+  do {                                                                                        \
+    EPFLOW_SKIP_WITHOUT_GPU();                                                                \
+    if (::epflow::testing::device_count() < (n))                                              \
+      GTEST_SKIP() << "needs " << (n) << " GPUs, found " << ::epflow::testing::device_count() \
+                   << ": test skipped";                                                       \
+  } while (0)
+
+namespace epflow::testing {
 
 // One forward call's inputs on every rank.
 using CallInputs = std::vector<reference::RankInput>;

@@ -65,7 +65,10 @@ struct MemoryReport {
   int64_t ring_bytes = 0;        // the megakernel's ring (routed x rows and SwiGLU outputs)
   int64_t schedule_bytes = 0;    // pull table, counts, counters
   int64_t saved_bytes = 0;       // activations kept for backward (none: backward recomputes)
-  int64_t total() const { return symmetric_bytes + ring_bytes + schedule_bytes + saved_bytes; }
+  int64_t backward_bytes = 0;    // the backward's row buffers (allocated by its first call)
+  int64_t total() const {
+    return symmetric_bytes + ring_bytes + schedule_bytes + saved_bytes + backward_bytes;
+  }
 };
 
 // Host-side checks of one call's arguments; forward()/backward() run them before any launch.

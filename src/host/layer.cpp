@@ -116,6 +116,15 @@ struct Layer::Impl {
   __nv_bfloat16* routed_h = nullptr;
   __nv_bfloat16* routed_y = nullptr;
 
+  // The backward's row buffers over [max_rows]: x rows, dy rows (then dz), dx rows ([H] each);
+  // g, u, dhp (then h) ([I] each); [dg | du] ([2I]). Allocated by the first backward.
+  void* backward_buffers = nullptr;
+  __nv_bfloat16 *bw_x = nullptr, *bw_dy = nullptr, *bw_dx = nullptr;
+  __nv_bfloat16 *bw_g = nullptr, *bw_u = nullptr, *bw_dhp = nullptr, *bw_dgu = nullptr;
+  // Until the backward has passed its GPU tests, Layer::backward runs it only when enabled
+  // (LayerInternals::enable_untested_backward) and answers kNotImplemented otherwise.
+  bool backward_enabled = false;
+
   uint64_t generation = 0;
   MemoryReport memory;
 
@@ -124,6 +133,7 @@ struct Layer::Impl {
     if (trace) cudaFree(trace);
     if (local) cudaFree(local);
     if (unfused_buffers) cudaFree(unfused_buffers);
+    if (backward_buffers) cudaFree(backward_buffers);
     window.destroy();
   }
 
@@ -132,10 +142,18 @@ struct Layer::Impl {
   size_t trace_bytes() const {
     return sizeof(kernels::MegakernelTraceRecord) * kernels::kTraceRecordsPerCta * sm_count;
   }
+  kernels::BarrierArgs barrier_args(int64_t T, kernels::BarrierPhase phase) const;
+  Status exchange_and_schedule(int64_t T, const __nv_bfloat16* x, const int32_t* topk_idx,
+                               cudaStream_t stream);
+  Status barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
+                         __nv_bfloat16* out, cudaStream_t stream);
+  Status earlier_failure() const;
   Status run_megakernel(const ForwardArgs& args, cudaStream_t stream);
   Status run_unfused(const ForwardArgs& args, cudaStream_t stream, const StageEvents* events);
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
                  const StageEvents* events);
+  Status allocate_backward();
+  Status backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream);
 };
 
 Status Layer::Impl::allocate() {
@@ -302,42 +320,80 @@ Status Layer::Impl::run_unfused(const ForwardArgs& a, cudaStream_t stream,
   return Status::ok_status();
 }
 
+kernels::BarrierArgs Layer::Impl::barrier_args(int64_t T, kernels::BarrierPhase phase) const {
+  kernels::BarrierArgs b;
+  b.peers = peers;
+  b.layout = layout;
+  b.rank = config.ep_rank;
+  b.world = config.ep_size;
+  b.epoch = epoch;
+  b.timeout_ns = static_cast<int64_t>(config.timeout_seconds * 1e9);
+  b.phase = phase;
+  b.my_tokens = T;
+  return b;
+}
+
+// This rank's tokens and expert ids into its window, the barrier that publishes them and gathers
+// every rank's T, then the device schedule (pull table, segments) of this rank's experts.
+Status Layer::Impl::exchange_and_schedule(int64_t T, const __nv_bfloat16* x,
+                                          const int32_t* topk_idx, cudaStream_t stream) {
+  const LayerConfig& c = config;
+  char* mine = static_cast<char*>(window.local());
+  if (T > 0) {
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.x, x, sizeof(__nv_bfloat16) * T * c.hidden,
+                                       cudaMemcpyDeviceToDevice, stream));
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.topk_idx, topk_idx,
+                                       sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                       stream));
+  }
+  kernels::BarrierArgs barrier = barrier_args(T, kernels::BarrierPhase::kDispatch);
+  barrier.tokens_out = tokens;
+  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
+  EPFLOW_CUDA_RETURN(cudaMemsetAsync(schedule_buffers.invalid_slots, 0, sizeof(int32_t), stream));
+  EPFLOW_CUDA_RETURN(
+      kernels::launch_routing_schedule(schedule, peer_topk_idx, tokens, schedule_buffers, stream));
+  return Status::ok_status();
+}
+
+// The barrier after every rank pushed its rows into the owners' combine slots (it also proves
+// every peer is done reading this call's window), then out[t] = sum_k w[t,k] combine[t, k]
+// (w = 1 without topk_weights).
+Status Layer::Impl::barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
+                                    __nv_bfloat16* out, cudaStream_t stream) {
+  const LayerConfig& c = config;
+  EPFLOW_CUDA_RETURN(
+      kernels::launch_rank_barrier(barrier_args(T, kernels::BarrierPhase::kCombine), stream));
+  kernels::WeightedSumArgs ws;
+  ws.combine =
+      reinterpret_cast<const __nv_bfloat16*>(static_cast<char*>(window.local()) + layout.combine);
+  ws.topk_idx = topk_idx;
+  ws.topk_weights = topk_weights;
+  ws.num_tokens = T;
+  ws.hidden = c.hidden;
+  ws.top_k = c.top_k;
+  ws.num_experts = c.num_experts;
+  ws.y = out;
+  EPFLOW_CUDA_RETURN(kernels::launch_weighted_sum(ws, stream));
+  return Status::ok_status();
+}
+
+// A wait of an earlier call that timed out trapped its kernel (the CUDA context is gone); say
+// where, read from host-mapped memory without touching the device.
+Status Layer::Impl::earlier_failure() const {
+  if (!diagnostic->set) return Status::ok_status();
+  return error_status(StatusCode::kTimeout, "an earlier call failed on the device: ",
+                      kernels::describe(*diagnostic));
+}
+
 Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedContext* saved,
                             const StageEvents* events) {
   auto mark = [&](cudaEvent_t StageEvents::*which) {
     return events ? cudaEventRecord(events->*which, stream) : cudaSuccess;
   };
-  const LayerConfig& c = config;
   const int64_t T = a.num_tokens;
-  char* mine = static_cast<char*>(window.local());
-  // A wait of an earlier call that timed out trapped its kernel (the CUDA context is gone); say
-  // where, read from host-mapped memory without touching the device.
-  if (diagnostic->set)
-    return error_status(StatusCode::kTimeout, "an earlier forward failed on the device: ",
-                        kernels::describe(*diagnostic));
+  EPFLOW_RETURN_IF_ERROR(earlier_failure());
   EPFLOW_CUDA_RETURN(mark(&StageEvents::start));
-  if (T > 0) {
-    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.x, a.x, sizeof(__nv_bfloat16) * T * c.hidden,
-                                       cudaMemcpyDeviceToDevice, stream));
-    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.topk_idx, a.topk_idx,
-                                       sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
-                                       stream));
-  }
-  kernels::BarrierArgs barrier;
-  barrier.peers = peers;
-  barrier.layout = layout;
-  barrier.rank = c.ep_rank;
-  barrier.world = c.ep_size;
-  barrier.epoch = epoch;
-  barrier.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
-  barrier.phase = kernels::BarrierPhase::kDispatch;
-  barrier.my_tokens = T;
-  barrier.tokens_out = tokens;
-  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
-
-  EPFLOW_CUDA_RETURN(cudaMemsetAsync(schedule_buffers.invalid_slots, 0, sizeof(int32_t), stream));
-  EPFLOW_CUDA_RETURN(
-      kernels::launch_routing_schedule(schedule, peer_topk_idx, tokens, schedule_buffers, stream));
+  EPFLOW_RETURN_IF_ERROR(exchange_and_schedule(T, a.x, a.topk_idx, stream));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::schedule_done));
 
   if (unfused) {
@@ -350,20 +406,7 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
     EPFLOW_CUDA_RETURN(mark(&StageEvents::ffn_done));
   }
 
-  barrier.phase = kernels::BarrierPhase::kCombine;
-  barrier.tokens_out = nullptr;
-  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
-
-  kernels::WeightedSumArgs ws;
-  ws.combine = reinterpret_cast<const __nv_bfloat16*>(mine + layout.combine);
-  ws.topk_idx = a.topk_idx;
-  ws.topk_weights = a.topk_weights;
-  ws.num_tokens = T;
-  ws.hidden = c.hidden;
-  ws.top_k = c.top_k;
-  ws.num_experts = c.num_experts;
-  ws.y = a.y;
-  EPFLOW_CUDA_RETURN(kernels::launch_weighted_sum(ws, stream));
+  EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, a.topk_idx, a.topk_weights, a.y, stream));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::end));
 
   if (saved) {
@@ -375,6 +418,150 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
     saved->topk_weights = a.topk_weights;
     saved->weights = a.weights;
   }
+  return Status::ok_status();
+}
+
+Status Layer::Impl::allocate_backward() {
+  if (backward_buffers) return Status::ok_status();
+  const int64_t H = config.hidden, I = config.intermediate;
+  const size_t row_elems = static_cast<size_t>(3 * H + 5 * I);
+  const size_t bytes = sizeof(__nv_bfloat16) * max_rows * row_elems;
+  EPFLOW_CUDA_RETURN(cudaMalloc(&backward_buffers, bytes));
+  __nv_bfloat16* p = static_cast<__nv_bfloat16*>(backward_buffers);
+  for (auto [buf, cols] : {std::pair{&bw_x, H}, {&bw_dy, H}, {&bw_dx, H}, {&bw_g, I}, {&bw_u, I},
+                           {&bw_dhp, I}, {&bw_dgu, 2 * I}}) {
+    *buf = p;
+    p += max_rows * cols;
+  }
+  memory.backward_bytes = static_cast<int64_t>(bytes);
+  return Status::ok_status();
+}
+
+// The unfused backward (docs/ARCHITECTURE.md, "Backward"): the forward's schedule rebuilt, x and
+// dy rows pulled, g and u recomputed, dhp = dy W_down, the SwiGLU and router-weight backward
+// (d topk_weights pushed to the owners), dx rows = [dg | du] [W_gate; W_up] pushed into the
+// owners' combine slots, the weight gradients, then each owner sums its dx over k.
+Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
+                             cudaStream_t stream) {
+  const LayerConfig& c = config;
+  const int64_t T = saved.num_tokens, H = c.hidden, I = c.intermediate;
+  const int32_t E = c.experts_per_rank();
+  EPFLOW_RETURN_IF_ERROR(earlier_failure());
+  EPFLOW_RETURN_IF_ERROR(allocate_backward());
+  char* mine = static_cast<char*>(window.local());
+  // Before the first barrier (after it, peers read and write this window): the router weights
+  // and dy the experts' GPUs read, and the d topk_weights slots they write (empty slots stay 0).
+  if (T > 0) {
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.topk_weights, saved.topk_weights,
+                                       sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                       stream));
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + layout.dy, a.dy, sizeof(__nv_bfloat16) * T * H,
+                                       cudaMemcpyDeviceToDevice, stream));
+    EPFLOW_CUDA_RETURN(
+        cudaMemsetAsync(mine + layout.d_weights, 0, sizeof(float) * T * c.top_k, stream));
+  }
+  EPFLOW_RETURN_IF_ERROR(exchange_and_schedule(T, saved.x, saved.topk_idx, stream));
+
+  const int32_t copy_blocks = 4 * sm_count;
+  kernels::DispatchArgs d;
+  d.peers = peers;
+  d.table = schedule_buffers.table;
+  d.seg_offset = schedule_buffers.seg_offset;
+  d.experts = E;
+  d.hidden = H;
+  d.top_k = c.top_k;
+  d.x_offset = layout.x;
+  d.routed_x = bw_x;
+  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, copy_blocks, stream));
+  d.x_offset = layout.dy;
+  d.routed_x = bw_dy;
+  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, copy_blocks, stream));
+
+  const kernels::ExpertSegments segments{E, max_rows, schedule_buffers.seg_offset,
+                                         schedule_buffers.expert_rows};
+  kernels::ExpertLinearArgs l;
+  l.segments = segments;
+  l.k = H;
+  l.n = I;
+  l.rows = bw_x;
+  for (auto [w, out] : {std::pair{saved.weights.gate, bw_g}, {saved.weights.up, bw_u}}) {
+    l.w = w;
+    l.out = out;
+    EPFLOW_CUDA_RETURN(kernels::launch_expert_linear(l, stream));
+  }
+  kernels::ExpertDgradArgs dg;
+  dg.segments = segments;
+  dg.k = H;
+  dg.n = I;
+  dg.rows = bw_dy;
+  dg.w0 = saved.weights.down;
+  dg.out = bw_dhp;
+  EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
+
+  kernels::SwigluBackwardArgs sb;
+  sb.peers = peers;
+  sb.weights_offset = layout.topk_weights;
+  sb.d_weights_offset = layout.d_weights;
+  sb.table = schedule_buffers.table;
+  sb.seg_offset = schedule_buffers.seg_offset;
+  sb.experts = E;
+  sb.hidden = H;
+  sb.intermediate = I;
+  sb.g = bw_g;
+  sb.u = bw_u;
+  sb.dhp_h = bw_dhp;
+  sb.dy_dz = bw_dy;
+  sb.dgu = bw_dgu;
+  sb.x_rows = bw_x;
+  EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, copy_blocks, stream));
+
+  dg.k = 2 * I;
+  dg.k0 = I;
+  dg.n = H;
+  dg.rows = bw_dgu;
+  dg.w0 = saved.weights.gate;
+  dg.w1 = saved.weights.up;
+  dg.out = bw_dx;
+  EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
+
+  // dW_down = dzᵀ h, dW_gate = dgᵀ x, dW_up = duᵀ x.
+  kernels::ExpertWgradArgs wg;
+  wg.segments = segments;
+  wg.fp32_out = a.grad_dtype == GradDType::kFP32;
+  wg.accumulate = a.accumulate_weight_grads;
+  struct Wgrad {
+    const __nv_bfloat16* lhs;
+    int64_t m, lhs_ld;
+    const __nv_bfloat16* rhs;
+    int64_t n;
+    void* dw;
+  };
+  for (const Wgrad& w : {Wgrad{bw_dy, H, H, bw_dhp, I, a.d_down},
+                         Wgrad{bw_dgu, I, 2 * I, bw_x, H, a.d_gate},
+                         Wgrad{bw_dgu + I, I, 2 * I, bw_x, H, a.d_up}}) {
+    wg.lhs = w.lhs;
+    wg.m = w.m;
+    wg.lhs_ld = w.lhs_ld;
+    wg.rhs = w.rhs;
+    wg.n = w.n;
+    wg.dw = w.dw;
+    EPFLOW_CUDA_RETURN(kernels::launch_expert_wgrad(wg, stream));
+  }
+
+  kernels::CombineArgs cb;
+  cb.peers = peers;
+  cb.combine_offset = layout.combine;
+  cb.table = schedule_buffers.table;
+  cb.seg_offset = schedule_buffers.seg_offset;
+  cb.experts = E;
+  cb.hidden = H;
+  cb.routed_y = bw_dx;
+  EPFLOW_CUDA_RETURN(kernels::launch_push_combine(cb, copy_blocks, stream));
+  EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, saved.topk_idx, nullptr, a.dx, stream));
+  if (T > 0)
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(a.d_topk_weights, mine + layout.d_weights,
+                                       sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                       stream));
   return Status::ok_status();
 }
 
@@ -470,14 +657,20 @@ Status LayerInternals::forward_with_stage_events(Layer& layer, const ForwardArgs
   return with_device_failure(layer, layer.impl_->forward(args, stream, nullptr, &events));
 }
 
-Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t) {
+Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, saved, args));
   if (saved.generation != impl_->generation)
     return error_status(StatusCode::kInvalidArgument, "saved context of forward call ",
                         saved.generation, " is stale: forward has run since (call ",
                         impl_->generation, ")");
-  return error_status(StatusCode::kNotImplemented,
-                      "GPU backward is not implemented yet (issue [F])");
+  if (!impl_->backward_enabled)
+    return error_status(StatusCode::kNotImplemented,
+                        "GPU backward is written but has not passed its GPU tests yet (issue [F])");
+  return with_device_failure(*this, impl_->backward(args, saved, stream));
+}
+
+void LayerInternals::enable_untested_backward(Layer& layer) {
+  layer.impl_->backward_enabled = true;
 }
 
 const LayerConfig& Layer::config() const { return impl_->config; }

@@ -28,7 +28,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 }  // namespace
 
 Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
-                              const uint32_t* box) {
+                              const uint32_t* box, const uint64_t* strides_bytes) {
   auto fn = encode_fn();
   if (!fn) return error_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled is unavailable");
   cuuint64_t global_dims[3];
@@ -38,7 +38,7 @@ Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, cons
   for (int i = 0; i < rank; ++i) {
     global_dims[i] = dims[i];
     box_dims[i] = box[i];
-    if (i > 0) strides[i - 1] = stride;
+    if (i > 0) strides[i - 1] = strides_bytes ? strides_bytes[i - 1] : stride;
     stride *= dims[i];
   }
   const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base),

@@ -10,10 +10,11 @@
 
 namespace epflow {
 
-// A row-major bf16 tensor of dims (innermost first) dims[0..rank), every row dims[0] elements,
-// loaded in boxes of box[0..rank) elements; box[0] * 2 must be 128 bytes (the swizzle span).
+// A row-major bf16 tensor of dims (innermost first) dims[0..rank), loaded in boxes of
+// box[0..rank) elements; box[0] * 2 must be 128 bytes (the swizzle span). Dimension i > 0 is
+// strides_bytes[i - 1] bytes apart (multiples of 16), or densely packed without strides_bytes.
 // Out-of-range box elements read as zeros.
 Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
-                              const uint32_t* box);
+                              const uint32_t* box, const uint64_t* strides_bytes = nullptr);
 
 }  // namespace epflow

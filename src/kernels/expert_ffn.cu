@@ -16,11 +16,8 @@ cudaError_t launch_expert_ffn(const ExpertFfnArgs& args, cudaStream_t stream) {
   if (!args.seg_offset || !args.x || !args.w_gate || !args.w_up || !args.w_down || !args.h ||
       !args.y)
     return cudaErrorInvalidValue;
-  int device = 0, sm_count = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-      e != cudaSuccess)
-    return e;
+  int32_t sm_count = 0;
+  if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
   if (const cudaError_t err = launch_expert_ffn_gate_up(args, sm_count, stream);
       err != cudaSuccess)
     return err;

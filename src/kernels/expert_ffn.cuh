@@ -36,6 +36,38 @@ struct ExpertFfnArgs {
 // h then y, stream-ordered. Rows at or past seg_offset[experts] are not touched.
 cudaError_t launch_expert_ffn(const ExpertFfnArgs& args, cudaStream_t stream);
 
+// The expert-grouped rows the backward's GEMMs run over (as in ExpertFfnArgs): segments
+// seg_offset[e] .. seg_offset[e + 1] padded to kExpertFfnTileM, buffers of max_rows rows.
+struct ExpertSegments {
+  int32_t experts = 0;
+  int64_t max_rows = 0;                  // multiple of kExpertFfnTileM
+  const int64_t* seg_offset = nullptr;   // device [experts + 1]
+  const int32_t* expert_rows = nullptr;  // optional, device [experts]: real rows per expert
+  bool valid() const {
+    return experts >= 0 && max_rows >= 0 && max_rows % kExpertFfnTileM == 0;
+  }
+  bool empty() const { return experts == 0 || max_rows == 0; }
+};
+
+// The number of SMs of the current device (the persistent GEMMs' grid).
+inline cudaError_t current_device_sm_count(int32_t* sm_count) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
+}
+
+// One of the FFN's GEMMs on its own, no epilogue: out = rows Wᵀ with W [experts, n, k] (the
+// nn.Linear layout). The forward's down GEMM is one (y = h W_downᵀ); the backward recomputes
+// g = x W_gateᵀ and u = x W_upᵀ with it.
+struct ExpertLinearArgs {
+  ExpertSegments segments;
+  int64_t k = 0, n = 0;                  // multiples of 64
+  const __nv_bfloat16* rows = nullptr;   // [max_rows, k]
+  const __nv_bfloat16* w = nullptr;      // [experts, n, k]
+  __nv_bfloat16* out = nullptr;          // [max_rows, n]
+};
+cudaError_t launch_expert_linear(const ExpertLinearArgs& args, cudaStream_t stream);
+
 // The backward's input gradients through one of the FFN's weights, on the same grouped rows:
 // out = rows W with W read N-major (wgmma's transposed B: no transposed copy of the weights).
 // The down GEMM's dh = dz W_down ([rows, H] x [H, I]: k = H, n = I, w0 = W_down) and the gate/up
@@ -43,10 +75,7 @@ cudaError_t launch_expert_ffn(const ExpertFfnArgs& args, cudaStream_t stream);
 // w1 = W_up, n = H). Rows at or past seg_offset[experts] are not touched; with expert_rows, rows
 // of a tile that are all padding are left unwritten, as in the forward.
 struct ExpertDgradArgs {
-  int32_t experts = 0;
-  int64_t max_rows = 0;                 // multiple of kExpertFfnTileM
-  const int64_t* seg_offset = nullptr;  // device [experts + 1]
-  const int32_t* expert_rows = nullptr;  // optional, device [experts]
+  ExpertSegments segments;
   int64_t k = 0;                        // columns of `rows`, multiple of 64
   int64_t n = 0;                        // output columns, multiple of 64
   int64_t k0 = 0;                       // K served by w0 (multiple of 64); 0 or k: all of it
@@ -61,16 +90,17 @@ cudaError_t launch_expert_dgrad(const ExpertDgradArgs& args, cudaStream_t stream
 // the expert's rows seg_offset[e] .. seg_offset[e + 1] (K = its rows, padded to the tile; the
 // padding rows of lhs or rhs must be zero, as the layer leaves them). dW_down = dzᵀ h (lhs = dz
 // [rows, H], rhs = h [rows, I], dw [E, H, I]); dW_gate = dgᵀ x and dW_up = duᵀ x ([E, I, H]).
-// Written, not accumulated (an expert without rows gets zeros); the same order of additions on
-// every run.
+// Written in bf16 or fp32, or added to what dw holds (an expert without rows gets zeros, or
+// adds nothing); the same order of additions on every run.
 struct ExpertWgradArgs {
-  int32_t experts = 0;
-  int64_t max_rows = 0;                 // multiple of kExpertFfnTileM
-  const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  ExpertSegments segments;              // expert_rows unused (K runs over whole segments)
   int64_t m = 0, n = 0;                 // dw[e] is [m, n]; both multiples of 64
-  const __nv_bfloat16* lhs = nullptr;   // [max_rows, m]
-  const __nv_bfloat16* rhs = nullptr;   // [max_rows, n]
-  __nv_bfloat16* dw = nullptr;          // [experts, m, n]
+  const __nv_bfloat16* lhs = nullptr;   // [max_rows, lhs_ld], the first m columns used
+  const __nv_bfloat16* rhs = nullptr;   // [max_rows, rhs_ld], the first n columns used
+  int64_t lhs_ld = 0, rhs_ld = 0;       // row strides in elements (0: m, n); multiples of 8
+  void* dw = nullptr;                   // [experts, m, n], bf16 or (fp32_out) float
+  bool fp32_out = false;
+  bool accumulate = false;              // dw += lhsᵀ rhs instead of dw = lhsᵀ rhs
 };
 cudaError_t launch_expert_wgrad(const ExpertWgradArgs& args, cudaStream_t stream);
 

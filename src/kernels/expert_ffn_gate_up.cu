@@ -12,12 +12,8 @@ cudaError_t launch_expert_ffn_gate_up(const ExpertFfnArgs& a, int32_t sm_count,
   if (!gemm::encode_weight_map(a.w_gate, a.experts, a.intermediate, a.hidden, kHalf, &map_gate) ||
       !gemm::encode_weight_map(a.w_up, a.experts, a.intermediate, a.hidden, kHalf, &map_up))
     return cudaErrorInvalidValue;
-  gemm::GemmParams p;
-  p.seg_offset = a.seg_offset;
-  p.expert_rows = a.expert_rows;
-  p.experts = a.experts;
-  p.n_out = static_cast<int32_t>(a.intermediate);
-  p.k = static_cast<int32_t>(a.hidden);
+  const gemm::GemmParams p = gemm::GemmParams::of(a.seg_offset, a.expert_rows, a.experts,
+                                                  a.intermediate, a.hidden);
   return gemm::launch_grouped_gemm<gemm::Epilogue::kSwiGLU, kStages>(
       a.x, a.max_rows, map_gate, map_up, a.h, p, sm_count, stream);
 }

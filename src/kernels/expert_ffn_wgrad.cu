@@ -22,9 +22,14 @@ using Smem = gemm::SharedStorage<Epilogue::kStore, kStages>;
 struct WgradParams {
   const int64_t* seg_offset;
   int32_t experts, m_tiles, n_tiles;
+  // WgradDirectSink's output.
+  void* dw;
+  int64_t m, n;
+  bool fp32_out, accumulate;
 };
 
-// The staged output goes to dw[e] (a 3-D map: a tile past m or n is clipped at the expert).
+// bf16, overwritten: the staged output goes to dw[e] as TMA stores (a 3-D map: a tile past m or
+// n is clipped at the expert).
 struct WgradStoreSink : gemm::DirectStoreSink<Epilogue::kStore> {
   __device__ void publish(int wg, int tid, const uint8_t* staging, const gemm::TileCoord& c) {
     if (tid != 0) return;
@@ -34,6 +39,51 @@ struct WgradStoreSink : gemm::DirectStoreSink<Epilogue::kStore> {
                         c.m_tile * kBlockM + wg * 64, c.expert);
     ptx::tma_store_commit();
   }
+};
+
+// fp32, or added to dw: each thread writes (or reads, adds and writes) its accumulator pairs
+// straight from registers; every element has one writer, so accumulation is deterministic.
+struct WgradDirectSink {
+  static constexpr bool kDirect = true;
+  const WgradParams* p;
+  int64_t row_base[2];  // element index of the thread's two rows at this n tile; -1: past m
+  int32_t cols = 0;     // columns of this n tile inside n
+  int32_t q = 0;
+  __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int wg, int tid) {
+    const int warp = tid / 32, g = tid % 32 / 4;
+    q = tid % 4;
+    cols = static_cast<int32_t>(p->n - int64_t{c.n_tile} * kBlockNMma);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = int64_t{c.m_tile} * kBlockM + wg * 64 + warp * 16 + g + 8 * half;
+      row_base[half] =
+          row < p->m ? (c.expert * p->m + row) * p->n + int64_t{c.n_tile} * kBlockNMma : -1;
+    }
+  }
+  __device__ __forceinline__ void begin(int, int) {}
+  __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
+    const int col = 8 * j + 2 * q;  // even, and n is a multiple of 64: col + 1 < cols too
+    if (row_base[half] < 0 || col >= cols) return;
+    const int64_t at = row_base[half] + col;
+    if (p->fp32_out) {
+      auto* dst = reinterpret_cast<float2*>(static_cast<float*>(p->dw) + at);
+      if (p->accumulate) {
+        const float2 old = *dst;
+        v0 += old.x;
+        v1 += old.y;
+      }
+      *dst = make_float2(v0, v1);
+    } else {
+      auto* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p->dw) + at);
+      if (p->accumulate) {
+        const float2 old = __bfloat1622float2(*dst);
+        v0 += old.x;
+        v1 += old.y;
+      }
+      *dst = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+  __device__ __forceinline__ void skip(int, int) {}
 };
 
 __device__ __forceinline__ gemm::TileCoord wgrad_tile(const WgradParams& p, int64_t t) {
@@ -48,6 +98,7 @@ __device__ __forceinline__ gemm::TileCoord wgrad_tile(const WgradParams& p, int6
   return c;
 }
 
+template <class Sink>
 __global__ void __launch_bounds__(gemm::kThreads, 1)
     expert_wgrad_kernel(const __grid_constant__ CUtensorMap map_lhs,
                         const __grid_constant__ CUtensorMap map_rhs,
@@ -57,7 +108,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     gemm::init_stage_barriers(s);
-    for (const CUtensorMap* map : {&map_lhs, &map_rhs, &map_dw}) ptx::prefetch_tensor_map(map);
+    ptx::prefetch_tensor_map(&map_lhs);
+    ptx::prefetch_tensor_map(&map_rhs);
+    if constexpr (!Sink::kDirect) ptx::prefetch_tensor_map(&map_dw);  // else never encoded
   }
   __syncthreads();
   const int64_t tiles = int64_t{p.experts} * p.m_tiles * p.n_tiles;
@@ -89,56 +142,67 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
-    WgradStoreSink sink;
-    sink.map_out = &map_dw;
+    Sink sink;
+    if constexpr (Sink::kDirect)
+      sink.p = &p;
+    else
+      sink.map_out = &map_dw;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const gemm::TileCoord c = wgrad_tile(p, t);
       gemm::consume_tile<Epilogue::kStore, kStages, gemm::kStagingBytes<Epilogue::kStore>,
-                         WgradStoreSink, gemm::WeightMajor::kN, gemm::RowsMajor::kM>(
+                         Sink, gemm::WeightMajor::kN, gemm::RowsMajor::kM>(
           s, ps, c, k_blocks_of(c), wg - 1, sink);
     }
-    if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
+    if constexpr (!Sink::kDirect)
+      if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }
 }
 
 }  // namespace
 
 cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
-  if (a.experts < 0 || a.max_rows < 0 || a.max_rows % kExpertFfnTileM != 0 || a.m <= 0 ||
-      a.m % 64 != 0 || a.n <= 0 || a.n % 64 != 0)
+  const int64_t lhs_ld = a.lhs_ld == 0 ? a.m : a.lhs_ld, rhs_ld = a.rhs_ld == 0 ? a.n : a.rhs_ld;
+  const ExpertSegments& seg = a.segments;
+  if (!seg.valid() || a.m <= 0 || a.m % 64 != 0 || a.n <= 0 || a.n % 64 != 0 || lhs_ld < a.m ||
+      lhs_ld % 8 != 0 || rhs_ld < a.n || rhs_ld % 8 != 0)
     return cudaErrorInvalidValue;
-  if (a.experts == 0) return cudaSuccess;
-  if (!a.seg_offset || !a.lhs || !a.rhs || !a.dw) return cudaErrorInvalidValue;
-  int device = 0, sm_count = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-      e != cudaSuccess)
-    return e;
-  // lhs and rhs as [max_rows, cols] in boxes of 64 columns x 64 rows; dw as [E, m, n] in boxes
-  // of 64 x 64 (the staging's layout). A max_rows of 0 still maps one (never read) row.
-  const uint64_t rows = a.max_rows > 0 ? a.max_rows : 1;
+  if (seg.experts == 0) return cudaSuccess;  // (no rows at all still writes zero gradients)
+  if (!seg.seg_offset || !a.lhs || !a.rhs || !a.dw) return cudaErrorInvalidValue;
+  int32_t sm_count = 0;
+  if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
+  // lhs and rhs as [max_rows, m | n] with their row strides, in boxes of 64 columns x 64 rows;
+  // dw as [E, m, n] in boxes of 64 x 64 (the staging's layout; bf16 overwrite only). A max_rows
+  // of 0 still maps one (never read) row.
+  const uint64_t rows = seg.max_rows > 0 ? seg.max_rows : 1;
   const uint64_t lhs_dims[2] = {uint64_t(a.m), rows}, rhs_dims[2] = {uint64_t(a.n), rows};
-  const uint64_t dw_dims[3] = {uint64_t(a.n), uint64_t(a.m), uint64_t(a.experts)};
+  const uint64_t lhs_strides[1] = {uint64_t(lhs_ld) * 2}, rhs_strides[1] = {uint64_t(rhs_ld) * 2};
+  const uint64_t dw_dims[3] = {uint64_t(a.n), uint64_t(a.m), uint64_t(seg.experts)};
   const uint32_t box2[2] = {64, kBlockK}, box3[3] = {64, 64, 1};
-  CUtensorMap map_lhs, map_rhs, map_dw;
-  if (!encode_bf16_tensor_map(&map_lhs, a.lhs, 2, lhs_dims, box2).ok() ||
-      !encode_bf16_tensor_map(&map_rhs, a.rhs, 2, rhs_dims, box2).ok() ||
-      !encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, box3).ok())
+  const bool staged = !a.fp32_out && !a.accumulate;
+  CUtensorMap map_lhs, map_rhs, map_dw = {};
+  if (!encode_bf16_tensor_map(&map_lhs, a.lhs, 2, lhs_dims, box2, lhs_strides).ok() ||
+      !encode_bf16_tensor_map(&map_rhs, a.rhs, 2, rhs_dims, box2, rhs_strides).ok() ||
+      (staged && !encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, box3).ok()))
     return cudaErrorInvalidValue;
   WgradParams p;
-  p.seg_offset = a.seg_offset;
-  p.experts = a.experts;
+  p.seg_offset = seg.seg_offset;
+  p.experts = seg.experts;
+  p.dw = a.dw;
+  p.m = a.m;
+  p.n = a.n;
+  p.fp32_out = a.fp32_out;
+  p.accumulate = a.accumulate;
   p.m_tiles = static_cast<int32_t>((a.m + kBlockM - 1) / kBlockM);
   p.n_tiles = static_cast<int32_t>((a.n + kBlockNMma - 1) / kBlockNMma);
-  const int64_t tiles = int64_t{a.experts} * p.m_tiles * p.n_tiles;
+  const int64_t tiles = int64_t{seg.experts} * p.m_tiles * p.n_tiles;
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
   constexpr size_t smem = sizeof(Smem) + 1024;  // + alignment slack
-  if (cudaError_t e = cudaFuncSetAttribute(expert_wgrad_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+  auto* kernel = staged ? expert_wgrad_kernel<WgradStoreSink> : expert_wgrad_kernel<WgradDirectSink>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess)
     return e;
-  expert_wgrad_kernel<<<grid, gemm::kThreads, smem, stream>>>(map_lhs, map_rhs, map_dw, p);
+  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_lhs, map_rhs, map_dw, p);
   return cudaGetLastError();
 }
 

@@ -60,6 +60,17 @@ struct GemmParams {
   int32_t n_out = 0;  // output columns (I for gate/up, H for down); multiple of 64
   int32_t k = 0;      // reduction length, multiple of kBlockK
   int32_t b0_k_blocks = 0;  // WeightMajor::kN: k-blocks read from map_b0 (0: all of them)
+
+  static GemmParams of(const int64_t* seg_offset, const int32_t* expert_rows, int32_t experts,
+                       int64_t n_out, int64_t k) {
+    GemmParams p;
+    p.seg_offset = seg_offset;
+    p.expert_rows = expert_rows;
+    p.experts = experts;
+    p.n_out = static_cast<int32_t>(n_out);
+    p.k = static_cast<int32_t>(k);
+    return p;
+  }
 };
 
 // Output staging of one consumer warpgroup: its 64 rows as kOutCols / 64 boxes of 64 rows x

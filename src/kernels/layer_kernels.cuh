@@ -26,6 +26,11 @@ struct WindowLayout {
   size_t topk_idx = 0;  // int32_t[T_max, K]
   size_t x = 0;         // bf16[T_max, H]: tokens the peers pull
   size_t combine = 0;   // bf16[T_max * K, H]: one slot per (token, k), pushed by expert owners
+  // Backward: the router weights and dy the experts' GPUs pull, and d topk_weights they push
+  // (one float per (token, k) slot; combine then holds the pushed dx rows).
+  size_t topk_weights = 0;  // float[T_max, K]
+  size_t dy = 0;            // bf16[T_max, H]
+  size_t d_weights = 0;     // float[T_max, K]
   size_t bytes = 0;
 
   static WindowLayout make(int64_t max_tokens, int64_t hidden, int32_t top_k);
@@ -74,8 +79,34 @@ struct CombineArgs {
 };
 cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStream_t stream);
 
+// Backward of the SwiGLU and of the router weight, routed row by routed row (a warp per row of
+// the pull table). With w the owner's topk_weights[src_slot] (read from its window), g and u the
+// recomputed gate/up outputs and dhp = dy W_down (the down GEMM's input gradient before w):
+//   h = silu(g) u, rounded to bf16 as the forward stored it; d w = <dhp, h>, written to the
+//   owner's d_weights[src_slot] (its window); dh = w dhp; dg = dh u silu'(g); du = dh silu(g)
+//   into dgu = [dg | du]; h in place of dhp; dz = w dy in place of the dy rows.
+// Padding rows of dgu, h, dz and x_rows are zeroed: the weight-gradient GEMMs sum over them.
+struct SwigluBackwardArgs {
+  PeerWindows peers;
+  size_t weights_offset = 0;    // WindowLayout::topk_weights
+  size_t d_weights_offset = 0;  // WindowLayout::d_weights
+  const sched::PullRow* table = nullptr;
+  const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  int32_t experts = 0;
+  int64_t hidden = 0, intermediate = 0;
+  const __nv_bfloat16* g = nullptr;  // [max_rows, I]
+  const __nv_bfloat16* u = nullptr;  // [max_rows, I]
+  __nv_bfloat16* dhp_h = nullptr;    // [max_rows, I]: dhp in, h out
+  __nv_bfloat16* dy_dz = nullptr;    // [max_rows, H]: dy rows in, dz out
+  __nv_bfloat16* dgu = nullptr;      // [max_rows, 2I] out
+  __nv_bfloat16* x_rows = nullptr;   // [max_rows, H]: only padding rows written (zeros)
+};
+cudaError_t launch_swiglu_backward(const SwigluBackwardArgs& args, int32_t blocks,
+                                   cudaStream_t stream);
+
 // y[t] = sum_k w[t,k] * combine[t*K + k], k ascending, fp32 sums, bf16 out; slots whose expert
-// id is outside [0, num_experts) contribute nothing.
+// id is outside [0, num_experts) contribute nothing. Without topk_weights, w = 1 (the backward's
+// dx, whose rows arrive already weighted).
 struct WeightedSumArgs {
   const __nv_bfloat16* combine = nullptr;  // local window [T * K, H]
   const int32_t* topk_idx = nullptr;

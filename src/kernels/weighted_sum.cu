@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kThreads) weighted_sum_kernel(WeightedSumArgs 
       w[b] = 0.0f;
       raw[b] = make_int4(0, 0, 0, 0);
       if (used[b]) {
-        w[b] = a.topk_weights[t * a.top_k + k];
+        w[b] = a.topk_weights ? a.topk_weights[t * a.top_k + k] : 1.0f;
         raw[b] = reinterpret_cast<const int4*>(a.combine + (t * a.top_k + k) * a.hidden)[v];
       }
     }

@@ -19,6 +19,12 @@ WindowLayout WindowLayout::make(int64_t max_tokens, int64_t hidden, int32_t top_
   at = align(at + sizeof(__nv_bfloat16) * max_tokens * hidden);
   l.combine = at;
   at = align(at + sizeof(__nv_bfloat16) * max_tokens * top_k * hidden);
+  l.topk_weights = at;
+  at = align(at + sizeof(float) * max_tokens * top_k);
+  l.dy = at;
+  at = align(at + sizeof(__nv_bfloat16) * max_tokens * hidden);
+  l.d_weights = at;
+  at = align(at + sizeof(float) * max_tokens * top_k);
   l.bytes = at;
   return l;
 }

@@ -34,14 +34,6 @@ LayerConfig small_config(int world, int64_t max_tokens) {
   return shape_config(world, 256, 128, 8, 4, max_tokens);
 }
 
-#define EPFLOW_SKIP_WITHOUT_GPUS(n)                                                 \
-  do {                                                                              \
-    EPFLOW_SKIP_WITHOUT_GPU();                                                      \
-    if (testing::device_count() < (n))                                              \
-      GTEST_SKIP() << "needs " << (n) << " GPUs, found " << testing::device_count() \
-                   << ": test skipped";                                             \
-  } while (0)
-
 // Runs the calls and checks each against the reference (all tokens for small shapes).
 void run_and_check(const LayerConfig& c, const std::vector<CallInputs>& calls,
                    int64_t max_checked_tokens = 1 << 30, uint64_t expert_seed = 5,

@@ -76,10 +76,10 @@ void run_case(const Case& c, bool pass_expert_rows) {
   EPFLOW_CUDA_CHECK(cudaMemset(d_out, 0xFF, b * max_rows * N));  // poison: 0xFFFF is a NaN
 
   kernels::ExpertDgradArgs args;
-  args.experts = E;
-  args.max_rows = max_rows;
-  args.seg_offset = d_seg;
-  args.expert_rows = pass_expert_rows ? d_rows : nullptr;
+  args.segments.experts = E;
+  args.segments.max_rows = max_rows;
+  args.segments.seg_offset = d_seg;
+  args.segments.expert_rows = pass_expert_rows ? d_rows : nullptr;
   args.k = K;
   args.n = N;
   args.k0 = K0;
@@ -181,8 +181,8 @@ TEST(ExpertDgradGpu, DeepSeekV3PerRankShape) {
 TEST(ExpertDgradGpu, RejectsBadShapesBeforeLaunching) {
   // Argument checks only: no device needed.
   kernels::ExpertDgradArgs args;
-  args.experts = 1;
-  args.max_rows = 128;
+  args.segments.experts = 1;
+  args.segments.max_rows = 128;
   args.k = 100;  // not a multiple of 64
   args.n = 64;
   EXPECT_EQ(kernels::launch_expert_dgrad(args, nullptr), cudaErrorInvalidValue);
@@ -191,10 +191,10 @@ TEST(ExpertDgradGpu, RejectsBadShapesBeforeLaunching) {
   EXPECT_EQ(kernels::launch_expert_dgrad(args, nullptr), cudaErrorInvalidValue);
   args.k0 = 64;  // shapes fine, pointers missing
   EXPECT_EQ(kernels::launch_expert_dgrad(args, nullptr), cudaErrorInvalidValue);
-  args.max_rows = 100;  // not a multiple of the M tile
+  args.segments.max_rows = 100;  // not a multiple of the M tile
   EXPECT_EQ(kernels::launch_expert_dgrad(args, nullptr), cudaErrorInvalidValue);
-  args.max_rows = 128;
-  args.experts = 0;  // nothing to do
+  args.segments.max_rows = 128;
+  args.segments.experts = 0;  // nothing to do
   EXPECT_EQ(kernels::launch_expert_dgrad(args, nullptr), cudaSuccess);
 }
 

@@ -1,8 +1,9 @@
 // The backward's weight-gradient GEMM (launch_expert_wgrad: dw[e] = lhs_eᵀ rhs_e over expert e's
 // rows) against a CPU reference in double on the same bf16 inputs: ragged segments (empty experts,
 // whose gradient must be exactly zero; 1, 127, 128, 129 and a few hundred rows), m and n tails,
-// and the DeepSeek-V3 per-rank shapes of dW_down and dW_gate. dw is poisoned first: every element
-// must be written.
+// and the DeepSeek-V3 per-rank shapes of dW_down and dW_gate; bf16 and fp32 outputs, written and
+// accumulated, lhs rows wider than m (the backward's [dg | du]). dw is poisoned first: every
+// element must be written.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -27,6 +28,9 @@ struct Case {
   std::vector<int64_t> rows;  // routed rows per local expert (before padding)
   int64_t sample_m;           // 0: check every row of dw[e]; else this many rows of it
   uint64_t seed;
+  bool fp32_out = false;
+  int calls = 1;              // > 1: the later calls accumulate (dw = calls * lhsᵀ rhs)
+  int64_t lhs_skip = 0;       // lhs rows are [lhs_skip junk | m used] columns wide
 };
 
 // rows x cols of segment data: routed rows random, padding rows zero (as the layer leaves them),
@@ -55,7 +59,8 @@ void run_case(const Case& c) {
   std::vector<int64_t> seg(E + 1, 0);
   for (int32_t e = 0; e < E; ++e) seg[e + 1] = seg[e] + sched::round_up(c.rows[e], kExpertFfnTileM);
   const int64_t max_rows = seg[E] + kExpertFfnTileM;  // one spare tile, poisoned
-  const std::vector<uint16_t> lhs = segment_rows(seg, c.rows, max_rows, M, c.seed, 1);
+  const int64_t lhs_ld = c.lhs_skip + M;
+  const std::vector<uint16_t> lhs = segment_rows(seg, c.rows, max_rows, lhs_ld, c.seed, 1);
   const std::vector<uint16_t> rhs = segment_rows(seg, c.rows, max_rows, N, c.seed, 2);
 
   const size_t b = sizeof(uint16_t);
@@ -64,34 +69,46 @@ void run_case(const Case& c) {
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_seg, sizeof(int64_t) * (E + 1)));
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_lhs, b * lhs.size()));
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_rhs, b * rhs.size()));
-  EPFLOW_CUDA_CHECK(cudaMalloc(&d_dw, b * E * M * N));
+  const size_t out_bytes = c.fp32_out ? 4 : 2;
+  EPFLOW_CUDA_CHECK(cudaMalloc(&d_dw, out_bytes * E * M * N));
   EPFLOW_CUDA_CHECK(
       cudaMemcpy(d_seg, seg.data(), sizeof(int64_t) * (E + 1), cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemcpy(d_lhs, lhs.data(), b * lhs.size(), cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemcpy(d_rhs, rhs.data(), b * rhs.size(), cudaMemcpyHostToDevice));
-  EPFLOW_CUDA_CHECK(cudaMemset(d_dw, 0xFF, b * E * M * N));  // poison: 0xFFFF is a NaN
+  EPFLOW_CUDA_CHECK(cudaMemset(d_dw, 0xFF, out_bytes * E * M * N));  // poison: NaN
 
   kernels::ExpertWgradArgs args;
-  args.experts = E;
-  args.max_rows = max_rows;
-  args.seg_offset = d_seg;
+  args.segments.experts = E;
+  args.segments.max_rows = max_rows;
+  args.segments.seg_offset = d_seg;
   args.m = M;
   args.n = N;
-  args.lhs = static_cast<const __nv_bfloat16*>(d_lhs);
+  args.lhs = static_cast<const __nv_bfloat16*>(d_lhs) + c.lhs_skip;
+  args.lhs_ld = lhs_ld;
   args.rhs = static_cast<const __nv_bfloat16*>(d_rhs);
-  args.dw = static_cast<__nv_bfloat16*>(d_dw);
-  EPFLOW_CUDA_CHECK(kernels::launch_expert_wgrad(args, nullptr));
+  args.dw = d_dw;
+  args.fp32_out = c.fp32_out;
+  for (int call = 0; call < c.calls; ++call) {
+    args.accumulate = call > 0;
+    EPFLOW_CUDA_CHECK(kernels::launch_expert_wgrad(args, nullptr));
+  }
   EPFLOW_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> dw(E * M * N);
-  EPFLOW_CUDA_CHECK(cudaMemcpy(dw.data(), d_dw, b * dw.size(), cudaMemcpyDeviceToHost));
+  std::vector<float> dw(E * M * N);
+  if (c.fp32_out) {
+    EPFLOW_CUDA_CHECK(cudaMemcpy(dw.data(), d_dw, 4 * dw.size(), cudaMemcpyDeviceToHost));
+  } else {
+    std::vector<uint16_t> bits(dw.size());
+    EPFLOW_CUDA_CHECK(cudaMemcpy(bits.data(), d_dw, b * bits.size(), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < bits.size(); ++i) dw[i] = bf16_to_float(bits[i]);
+  }
   for (void* p : {static_cast<void*>(d_seg), d_lhs, d_rhs, d_dw}) EPFLOW_CUDA_CHECK(cudaFree(p));
 
   // Every element written; an expert without rows gets exact zeros.
   int64_t not_finite = 0, empty_nonzero = 0;
   for (int32_t e = 0; e < E; ++e)
     for (int64_t i = e * M * N; i < (e + 1) * M * N; ++i) {
-      not_finite += !std::isfinite(bf16_to_float(dw[i]));
-      empty_nonzero += c.rows[e] == 0 && bf16_to_float(dw[i]) != 0.0f;
+      not_finite += !std::isfinite(dw[i]);
+      empty_nonzero += c.rows[e] == 0 && dw[i] != 0.0f;
     }
   EXPECT_EQ(not_finite, 0) << "elements of dw not written (or not finite)";
   EXPECT_EQ(empty_nonzero, 0) << "nonzero gradient for an expert without rows";
@@ -105,11 +122,11 @@ void run_case(const Case& c) {
       const int64_t i = checked[s];
       std::vector<double> acc(N, 0.0);
       for (int64_t r = seg[e]; r < seg[e] + c.rows[e]; ++r) {
-        const double l = bf16_to_float(lhs[r * M + i]);
+        const double l = c.calls * double(bf16_to_float(lhs[r * lhs_ld + c.lhs_skip + i]));
         for (int64_t j = 0; j < N; ++j) acc[j] += l * bf16_to_float(rhs[r * N + j]);
       }
       for (int64_t j = 0; j < N; ++j) {
-        const double d = bf16_to_float(dw[(e * M + i) * N + j]) - acc[j];
+        const double d = dw[(e * M + i) * N + j] - acc[j];
         err[s] += d * d;
         ref[s] += acc[j] * acc[j];
       }
@@ -135,6 +152,17 @@ TEST(ExpertWgradGpu, RaggedSegmentsSmallShapes) {
   run_case({"nothing routed", 128, 256, {0, 0}, 0, 43});
 }
 
+TEST(ExpertWgradGpu, Fp32AccumulatedAndWideLhsRows) {
+  EPFLOW_SKIP_WITHOUT_GPU();
+  // The layer's uses: fp32 gradients, accumulated over calls, lhs the second half of [dg | du].
+  const std::vector<int64_t> rows = {0, 1, 127, 129, 300, 0};
+  run_case({"fp32", 192, 320, rows, 0, 61, true, 1, 0});
+  run_case({"fp32 accumulated", 192, 320, rows, 0, 62, true, 3, 0});
+  run_case({"bf16 accumulated", 128, 256, rows, 0, 63, false, 2, 0});
+  run_case({"wide lhs rows", 128, 256, rows, 0, 64, false, 1, 128});
+  run_case({"wide lhs rows, fp32", 128, 256, rows, 0, 65, true, 2, 128});
+}
+
 TEST(ExpertWgradGpu, DeepSeekV3PerRankShapes) {
   EPFLOW_SKIP_WITHOUT_GPU();
   // dW_down = dzᵀ h ([H, I] = [7168, 2048]) and dW_gate = dgᵀ x ([I, H]), 8 experts of 0..321
@@ -147,17 +175,17 @@ TEST(ExpertWgradGpu, DeepSeekV3PerRankShapes) {
 TEST(ExpertWgradGpu, RejectsBadShapesBeforeLaunching) {
   // Argument checks only: no device needed.
   kernels::ExpertWgradArgs args;
-  args.experts = 1;
-  args.max_rows = 128;
+  args.segments.experts = 1;
+  args.segments.max_rows = 128;
   args.m = 100;  // not a multiple of 64
   args.n = 64;
   EXPECT_EQ(kernels::launch_expert_wgrad(args, nullptr), cudaErrorInvalidValue);
   args.m = 64;
-  args.max_rows = 100;  // not a multiple of the M tile
+  args.segments.max_rows = 100;  // not a multiple of the M tile
   EXPECT_EQ(kernels::launch_expert_wgrad(args, nullptr), cudaErrorInvalidValue);
-  args.max_rows = 128;  // shapes fine, pointers missing
+  args.segments.max_rows = 128;  // shapes fine, pointers missing
   EXPECT_EQ(kernels::launch_expert_wgrad(args, nullptr), cudaErrorInvalidValue);
-  args.experts = 0;  // nothing to do
+  args.segments.experts = 0;  // nothing to do
   EXPECT_EQ(kernels::launch_expert_wgrad(args, nullptr), cudaSuccess);
 }
 

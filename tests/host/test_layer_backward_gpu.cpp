@@ -1,0 +1,223 @@
+// The GPU backward of the whole layer against the CPU reference backward (itself checked by
+// finite differences): dx, d topk_weights and the three weight gradients of every rank, at EP=1
+// and EP=2 (a thread per GPU), with imbalanced routing, empty experts, empty slots, T not a tile
+// multiple, T different on each rank and T = 0 on one rank; fp32 gradients written, then
+// accumulated (a second backward doubles them), and bf16 gradients. Outputs are poisoned first.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "layer_gpu_harness.h"
+
+namespace epflow {
+namespace {
+
+using synthetic::Routing;
+using testing::CallInputs;
+
+struct GradOptions {
+  GradDType dtype = GradDType::kFP32;
+  int backward_calls = 1;  // > 1: accumulate_weight_grads, weight gradients summed over calls
+};
+
+// Every rank's gradients as floats, in reference::RankGrads' layout.
+using RankGrads = std::vector<reference::RankGrads>;
+
+std::vector<std::vector<float>> make_dy(const LayerConfig& c, const CallInputs& in, uint64_t seed) {
+  std::vector<std::vector<float>> dy(in.size());
+  for (size_t r = 0; r < in.size(); ++r) {
+    std::mt19937_64 rng(seed * 131 + r);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    dy[r].resize(in[r].num_tokens * c.hidden);
+    for (float& f : dy[r]) f = u(rng);
+    testing::round_to_bf16(&dy[r]);
+  }
+  return dy;
+}
+
+// A device buffer of `count` elements of `elem` bytes, filled with 0xFF bytes (bf16 and fp32
+// NaN: unwritten elements show), copied back as floats.
+struct Poisoned {
+  void* ptr = nullptr;
+  int64_t count = 0;
+  size_t elem = 0;
+  Status create(int64_t n, size_t bytes) {
+    count = n;
+    elem = bytes;
+    EPFLOW_TRY_CUDA(cudaMalloc(&ptr, std::max<int64_t>(n, 1) * bytes));
+    EPFLOW_TRY_CUDA(cudaMemset(ptr, 0xFF, std::max<int64_t>(n, 1) * bytes));
+    return Status::ok_status();
+  }
+  Status fetch(std::vector<float>* out) const {
+    out->resize(count);
+    if (elem == 4) {
+      EPFLOW_TRY_CUDA(cudaMemcpy(out->data(), ptr, count * 4, cudaMemcpyDeviceToHost));
+    } else {
+      std::vector<__nv_bfloat16> b(count);
+      EPFLOW_TRY_CUDA(cudaMemcpy(b.data(), ptr, count * 2, cudaMemcpyDeviceToHost));
+      for (int64_t i = 0; i < count; ++i) (*out)[i] = __bfloat162float(b[i]);
+    }
+    return Status::ok_status();
+  }
+  ~Poisoned() {
+    if (ptr) cudaFree(ptr);
+  }
+};
+
+Status run_backward(const LayerConfig& base, const std::vector<reference::RankExperts>& experts,
+                    const CallInputs& in, const std::vector<std::vector<float>>& dy,
+                    const GradOptions& options, RankGrads* grads) {
+  grads->assign(base.ep_size, {});
+  return run_on_local_gpus(base.ep_size, [&](int rank, ncclComm_t comm) -> Status {
+    LayerConfig c = base;
+    c.ep_rank = rank;
+    std::unique_ptr<Layer> layer;
+    if (Status s = Layer::create(c, comm, &layer); !s.ok()) return s;
+    LayerInternals::enable_untested_backward(*layer);
+    const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
+    const int64_t T = in[rank].num_tokens;
+    std::vector<__nv_bfloat16*> w(3, nullptr);
+    const std::vector<float>* host_w[3] = {&experts[rank].gate, &experts[rank].up,
+                                           &experts[rank].down};
+    for (int i = 0; i < 3; ++i) {
+      const auto b = testing::to_bf16(*host_w[i]);
+      EPFLOW_TRY_CUDA(cudaMalloc(&w[i], b.size() * 2));
+      EPFLOW_TRY_CUDA(cudaMemcpy(w[i], b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+    }
+    Poisoned x, y, idx, tw, d_y, dx, dtw, dgate, dup, ddown;
+    const size_t g = options.dtype == GradDType::kFP32 ? 4 : 2;
+    for (auto [buf, n, bytes] : {std::tuple{&x, T * H, size_t{2}}, {&y, T * H, size_t{2}},
+                                 {&idx, T * K, size_t{4}}, {&tw, T * K, size_t{4}},
+                                 {&d_y, T * H, size_t{2}}, {&dx, T * H, size_t{2}},
+                                 {&dtw, T * K, size_t{4}}, {&dgate, E * I * H, g},
+                                 {&dup, E * I * H, g}, {&ddown, E * H * I, g}})
+      if (Status s = buf->create(n, bytes); !s.ok()) return s;
+    const auto xb = testing::to_bf16(in[rank].x), dyb = testing::to_bf16(dy[rank]);
+    EPFLOW_TRY_CUDA(cudaMemcpy(x.ptr, xb.data(), T * H * 2, cudaMemcpyHostToDevice));
+    EPFLOW_TRY_CUDA(cudaMemcpy(d_y.ptr, dyb.data(), T * H * 2, cudaMemcpyHostToDevice));
+    EPFLOW_TRY_CUDA(
+        cudaMemcpy(idx.ptr, in[rank].topk_idx.data(), T * K * 4, cudaMemcpyHostToDevice));
+    EPFLOW_TRY_CUDA(
+        cudaMemcpy(tw.ptr, in[rank].topk_weights.data(), T * K * 4, cudaMemcpyHostToDevice));
+    ForwardArgs f;
+    f.num_tokens = T;
+    f.x = static_cast<__nv_bfloat16*>(x.ptr);
+    f.topk_idx = static_cast<int32_t*>(idx.ptr);
+    f.topk_weights = static_cast<float*>(tw.ptr);
+    f.weights = {w[0], w[1], w[2]};
+    f.y = static_cast<__nv_bfloat16*>(y.ptr);
+    SavedContext saved;
+    if (Status s = layer->forward(f, nullptr, &saved); !s.ok()) return s;
+    BackwardArgs b;
+    b.dy = static_cast<__nv_bfloat16*>(d_y.ptr);
+    b.dx = static_cast<__nv_bfloat16*>(dx.ptr);
+    b.d_topk_weights = static_cast<float*>(dtw.ptr);
+    b.d_gate = dgate.ptr;
+    b.d_up = dup.ptr;
+    b.d_down = ddown.ptr;
+    b.grad_dtype = options.dtype;
+    for (int call = 0; call < options.backward_calls; ++call) {
+      // Accumulating: the first call writes (over the poison), later calls add.
+      b.accumulate_weight_grads = call > 0;
+      if (Status s = layer->backward(b, saved, nullptr); !s.ok()) return s;
+    }
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess)
+      return with_device_failure(*layer, Status(StatusCode::kCudaError, cudaGetErrorString(e)));
+    reference::RankGrads& out = (*grads)[rank];
+    for (auto [buf, host] : {std::pair{&dx, &out.dx}, {&dtw, &out.d_topk_weights},
+                             {&dgate, &out.d_gate}, {&dup, &out.d_up}, {&ddown, &out.d_down}})
+      if (Status s = buf->fetch(host); !s.ok()) return s;
+    layer.reset();
+    for (auto* p : w) cudaFree(p);
+    return Status::ok_status();
+  });
+}
+
+// Relative error of `got` against `want` (both every element); every element finite.
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, double scale,
+                  double tolerance, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double err = 0, norm = 0;
+  int64_t not_finite = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    not_finite += !std::isfinite(got[i]);
+    const double d = double(got[i]) - scale * want[i];
+    err += d * d;
+    norm += scale * scale * double(want[i]) * want[i];
+  }
+  EXPECT_EQ(not_finite, 0) << what << ": elements not written (or not finite)";
+  if (norm > 0)
+    EXPECT_LE(std::sqrt(err / norm), tolerance) << what << ": relative error";
+  else
+    EXPECT_EQ(err, 0.0) << what << ": the reference is zero, the output is not";
+}
+
+void run_and_check(const LayerConfig& c, const CallInputs& in, const GradOptions& options = {},
+                   uint64_t seed = 9) {
+  const auto experts = testing::make_bf16_experts(c, seed);
+  const auto dy = make_dy(c, in, seed);
+  RankGrads want;
+  const Status ref = reference::backward(c, in, experts, dy, &want);
+  ASSERT_TRUE(ref.ok()) << ref.to_string();
+  RankGrads got;
+  const Status s = run_backward(c, experts, in, dy, options, &got);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  // bf16 storage of dx rows, dg/du and the gradients themselves: a few 1e-3 in practice.
+  const double tol = options.dtype == GradDType::kFP32 ? 2e-2 : 3e-2;
+  const double weight_scale = options.backward_calls;
+  for (int r = 0; r < c.ep_size; ++r) {
+    SCOPED_TRACE(::testing::Message() << "rank " << r);
+    expect_close(got[r].dx, want[r].dx, 1.0, tol, "dx");
+    expect_close(got[r].d_topk_weights, want[r].d_topk_weights, 1.0, tol, "d topk_weights");
+    expect_close(got[r].d_gate, want[r].d_gate, weight_scale, tol, "d W_gate");
+    expect_close(got[r].d_up, want[r].d_up, weight_scale, tol, "d W_up");
+    expect_close(got[r].d_down, want[r].d_down, weight_scale, tol, "d W_down");
+  }
+}
+
+LayerConfig small_config(int world, int64_t max_tokens) {
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = 128;
+  c.num_experts = 8 * world;
+  c.top_k = 4;
+  c.ep_size = world;
+  c.max_tokens_per_rank = max_tokens;
+  return c;
+}
+
+TEST(LayerBackwardGpu, Ep1UniformImbalancedAndEmptySlots) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const LayerConfig c = small_config(1, 300);
+  run_and_check(c, testing::make_call(c, {100}, Routing::kUniform, 1));
+  run_and_check(c, testing::make_call(c, {300}, Routing::kImbalanced, 2));
+  run_and_check(c, testing::make_call(c, {37}, Routing::kWithEmptySlots, 3));
+}
+
+TEST(LayerBackwardGpu, Ep1AccumulatedAndBf16Gradients) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const LayerConfig c = small_config(1, 200);
+  const CallInputs in = testing::make_call(c, {150}, Routing::kUniform, 4);
+  run_and_check(c, in, GradOptions{GradDType::kFP32, 2});
+  run_and_check(c, in, GradOptions{GradDType::kBF16, 1});
+  run_and_check(c, in, GradOptions{GradDType::kBF16, 2});
+}
+
+TEST(LayerBackwardGpu, Ep2DifferentTokenCountsAndAnEmptyRank) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  const LayerConfig c = small_config(2, 600);
+  run_and_check(c, testing::make_call(c, {300, 77}, Routing::kUniform, 5));
+  run_and_check(c, testing::make_call(c, {0, 513}, Routing::kImbalanced, 6));
+  run_and_check(c, testing::make_call(c, {129, 128}, Routing::kWithEmptySlots, 7));
+}
+
+}  // namespace
+}  // namespace epflow
