@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -161,7 +162,10 @@ std::vector<Case> make_cases() {
   const int32_t experts[] = {1, 2, 3, 5, 8, 16};
   const int32_t top_ks[] = {1, 2, 3, 4, 8, 16};
   const int32_t tiles[] = {1, 64, 128, 256};
-  for (uint64_t seed = 0; seed < 40; ++seed) {
+  // EPFLOW_FUZZ_CASES (scripts/sanitize.sh sets it) draws more random shapes than the default.
+  const char* fuzz = std::getenv("EPFLOW_FUZZ_CASES");
+  const uint64_t random_cases = fuzz ? std::strtoull(fuzz, nullptr, 10) : 40;
+  for (uint64_t seed = 0; seed < random_cases; ++seed) {
     // The shape is a function of the seed so each case reproduces from its name alone.
     std::mt19937_64 pick(seed * 7919 + 1);
     auto any = [&pick](const auto& options) {
