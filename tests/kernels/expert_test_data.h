@@ -78,6 +78,16 @@ inline std::vector<int64_t> sampled_rows(int64_t rows, int64_t sample) {
   return out;
 }
 
+// run(pass_expert_rows) twice: the kernels told the real rows per expert (padding halves of a
+// tile skipped, as the layer runs them) and not told.
+template <class Run>
+inline void with_and_without_expert_rows(Run&& run) {
+  for (bool pass_expert_rows : {false, true}) {
+    SCOPED_TRACE(pass_expert_rows ? "with expert_rows" : "without expert_rows");
+    run(pass_expert_rows);
+  }
+}
+
 // An output of max_rows x cols bf16 over expert segments seg[e] .. seg[e + 1] (rows[e] of them
 // routed), poisoned before the launch: (a) every routed row, and unless only_routed every padding
 // row too, holds finite values; (b) rows past the last segment still hold the poison, bit for bit.

@@ -194,10 +194,7 @@ void run_cases(const std::vector<Case>& cases) {
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << c.name << ": H " << c.hidden << ", I " << c.intermediate
                                       << ", experts " << c.rows.size());
-    for (bool pass_expert_rows : {false, true}) {
-      SCOPED_TRACE(pass_expert_rows ? "with expert_rows" : "without expert_rows");
-      run_case(c, pass_expert_rows);
-    }
+    with_and_without_expert_rows([&](bool pass_expert_rows) { run_case(c, pass_expert_rows); });
   }
 }
 
