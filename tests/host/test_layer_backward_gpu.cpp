@@ -2,11 +2,13 @@
 // finite differences): dx, d topk_weights and the three weight gradients of every rank, at EP=1
 // and EP=2 (a thread per GPU), with imbalanced routing, empty experts, empty slots, T not a tile
 // multiple, T different on each rank and T = 0 on one rank; fp32 gradients written, then
-// accumulated (a second backward doubles them), and bf16 gradients. Outputs are poisoned first.
+// accumulated (a second backward doubles them), and bf16 gradients; a repeated backward gives
+// bitwise the same gradients (no atomics, fixed summation orders). Outputs are poisoned first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -25,6 +27,7 @@ using testing::CallInputs;
 struct GradOptions {
   GradDType dtype = GradDType::kFP32;
   int backward_calls = 1;  // > 1: accumulate_weight_grads, weight gradients summed over calls
+  bool check_repeatable = false;  // run the (writing) backward again: bitwise the same outputs
 };
 
 // Every rank's gradients as floats, in reference::RankGrads' layout.
@@ -132,9 +135,24 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     if (e != cudaSuccess)
       return with_device_failure(*layer, Status(StatusCode::kCudaError, cudaGetErrorString(e)));
     reference::RankGrads& out = (*grads)[rank];
-    for (auto [buf, host] : {std::pair{&dx, &out.dx}, {&dtw, &out.d_topk_weights},
-                             {&dgate, &out.d_gate}, {&dup, &out.d_up}, {&ddown, &out.d_down}})
+    const std::vector<std::pair<Poisoned*, std::vector<float>*>> outputs = {
+        {&dx, &out.dx}, {&dtw, &out.d_topk_weights}, {&dgate, &out.d_gate}, {&dup, &out.d_up},
+        {&ddown, &out.d_down}};
+    for (auto [buf, host] : outputs)
       if (Status s = buf->fetch(host); !s.ok()) return s;
+    if (options.check_repeatable) {
+      b.accumulate_weight_grads = false;
+      if (Status s = layer->backward(b, saved, nullptr); !s.ok()) return s;
+      EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+      for (auto [buf, host] : outputs) {
+        std::vector<float> again;
+        if (Status s = buf->fetch(&again); !s.ok()) return s;
+        // Compared as bits: NaN == NaN would fail as floats, and -0 == 0 would pass.
+        if (again.size() != host->size() ||
+            std::memcmp(again.data(), host->data(), again.size() * sizeof(float)) != 0)
+          return Status(StatusCode::kInternal, "a repeated backward gave different outputs");
+      }
+    }
     layer.reset();
     for (auto* p : w) cudaFree(p);
     return Status::ok_status();
@@ -217,6 +235,9 @@ TEST(LayerBackwardGpu, Ep2DifferentTokenCountsAndAnEmptyRank) {
   run_and_check(c, testing::make_call(c, {300, 77}, Routing::kUniform, 5));
   run_and_check(c, testing::make_call(c, {0, 513}, Routing::kImbalanced, 6));
   run_and_check(c, testing::make_call(c, {129, 128}, Routing::kWithEmptySlots, 7));
+  GradOptions repeat;
+  repeat.check_repeatable = true;
+  run_and_check(c, testing::make_call(c, {200, 150}, Routing::kImbalanced, 8), repeat);
 }
 
 }  // namespace
