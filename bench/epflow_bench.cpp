@@ -62,6 +62,10 @@ struct Options {
   std::string json;                                    // write results here as JSON
   std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
   bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
+  // Also time EPFlow's backward (default knobs): after one forward that saves its context, the
+  // backward alone, with dy = x and fp32 weight gradients written. The GPU backward has not
+  // passed its tests yet (issue [F]): the figures say so.
+  bool backward = false;
   // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
   std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
   std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
@@ -90,11 +94,12 @@ void usage() {
       "                    [--warmup N] [--repeats N] [--seed S] [--json PATH] [--baselines LIST]\n"
       "                    [--check] [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
       "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
-      "                    [--yardstick at-once|one-by-one|interleaved]\n"
+      "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
       "  --warmup N   untimed calls before the timed ones, for every system and yardstick\n"
       "               (default 100: the sustained power state at large sizes)\n"
       "  --repeats N  run each point's whole sequence (systems, yardsticks) N times and\n"
       "               report the medians over the repeats (default 1)\n"
+      "  --backward   also time EPFlow's backward (not yet verified on a GPU: issue [F])\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
       "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
@@ -126,6 +131,10 @@ bool parse(int argc, char** argv, Options* o) {
     const std::string a = argv[i];
     if (a == "--check") {
       o->check = true;
+      continue;
+    }
+    if (a == "--backward") {
+      o->backward = true;
       continue;
     }
     if (i + 1 >= argc) return false;
@@ -268,6 +277,7 @@ struct RankResult {
   int64_t nvlink_rows_in = 0;   // rows pulled from other ranks (dispatch)
   int64_t nvlink_rows_out = 0;  // rows pushed to other ranks (combine), same count
   double interleaved_dense_tflops = 0;  // --yardstick interleaved: cuBLAS between the calls
+  double backward_us = 0;               // --backward: EPFlow's backward alone (median)
 };
 
 double median(std::vector<double> v) {
@@ -353,6 +363,27 @@ class RankData {
   }
   const ForwardArgs& args() const { return args_; }
 
+  // The backward's outputs (dx, d topk_weights, fp32 weight gradients) and its arguments, dy = x.
+  Status create_grads(const LayerConfig& c, int64_t T) {
+    const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank(), K = c.top_k;
+    __nv_bfloat16* dx = nullptr;
+    float *dtw = nullptr, *dg = nullptr, *du = nullptr, *dd = nullptr;
+    EPFLOW_RETURN_IF_ERROR(alloc(&dx, T * H, "cudaMalloc (dx)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&dtw, T * K, "cudaMalloc (d topk_weights)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&dg, E * I * H, "cudaMalloc (d W_gate)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&du, E * I * H, "cudaMalloc (d W_up)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&dd, E * H * I, "cudaMalloc (d W_down)"));
+    grads_.dy = x_;
+    grads_.dx = dx;
+    grads_.d_topk_weights = dtw;
+    grads_.d_gate = dg;
+    grads_.d_up = du;
+    grads_.d_down = dd;
+    grads_.grad_dtype = GradDType::kFP32;
+    return Status::ok_status();
+  }
+  const BackwardArgs& grads() const { return grads_; }
+
  private:
   template <typename T>
   Status alloc(T** p, int64_t count, const char* what) {
@@ -368,7 +399,41 @@ class RankData {
   int32_t* idx_ = nullptr;
   float* tw_ = nullptr;
   ForwardArgs args_;
+  BackwardArgs grads_;
 };
+
+// --backward: one forward saving its context, then warmup + iters backward calls; the median of
+// the timed ones (CUDA events around each call) in out->backward_us.
+Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t T,
+                     const Options& o, cudaStream_t stream, RankResult* out) {
+  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T));
+  LayerInternals::enable_untested_backward(layer);
+  SavedContext saved;
+  EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
+  const int n = o.warmup + o.iters;
+  std::vector<cudaEvent_t> ev(2 * n, nullptr);
+  Status s = Status::ok_status();
+  for (cudaEvent_t& e : ev)
+    if (s.ok()) s = cuda_status(cudaEventCreate(&e), "cudaEventCreate");
+  for (int i = 0; i < n && s.ok(); ++i) {
+    s = cuda_status(cudaEventRecord(ev[2 * i], stream), "cudaEventRecord");
+    if (s.ok()) s = layer.backward(data.grads(), saved, stream);
+    if (s.ok()) s = cuda_status(cudaEventRecord(ev[2 * i + 1], stream), "cudaEventRecord");
+  }
+  if (s.ok())
+    s = with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow backward"));
+  std::vector<double> us;
+  for (int i = o.warmup; i < n && s.ok(); ++i) {
+    float ms = 0;
+    s = cuda_status(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
+    us.push_back(ms * 1e3);
+  }
+  for (cudaEvent_t e : ev)
+    if (e) cudaEventDestroy(e);
+  EPFLOW_RETURN_IF_ERROR(s);
+  out->backward_us = median(us);
+  return Status::ok_status();
+}
 
 // kStages + 1 events per iteration: its start, then the end of each stage.
 class IterationEvents {
@@ -464,7 +529,7 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
                          const std::vector<bench::Routing>& routing, int64_t T, const Options& o,
                          ncclComm_t comm, const std::vector<int64_t>& checked, RankResult* out,
                          std::vector<float>* y_rows, const std::string& trace_path = "",
-                         int64_t interleave_rows = 0) {
+                         int64_t interleave_rows = 0, bool with_backward = false) {
   LayerConfig c = base;
   c.comm_sms = v.comm_sms;
   c.minibatch_rows = v.minibatch_rows;
@@ -516,6 +581,8 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
     out->interleaved_dense_tflops = dense->tflops(median(ms));
   }
   if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(write_trace(*layer, c.ep_rank, trace_path));
+  if (with_backward)
+    EPFLOW_RETURN_IF_ERROR(time_backward(*layer, data, c, T, o, stream.get(), out));
   return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
 }
 
@@ -643,6 +710,13 @@ const RankResult& slowest(const std::vector<RankResult>& results) {
       [](const RankResult& a, const RankResult& b) { return a.total_us < b.total_us; });
 }
 
+// The rank whose backward took longest (it sets the layer's backward time).
+const RankResult& slowest_backward(const std::vector<RankResult>& results) {
+  return *std::max_element(
+      results.begin(), results.end(),
+      [](const RankResult& a, const RankResult& b) { return a.backward_us < b.backward_us; });
+}
+
 // --repeats: per rank, the median over the repeats of the total and of each stage, each on its
 // own (the other fields come from the routing and the plan: the same in every repeat).
 std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankResult>>& reps) {
@@ -651,6 +725,9 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     std::vector<double> v;
     for (const auto& rep : reps) v.push_back(rep[r].total_us);
     out[r].total_us = median(v);
+    v.clear();
+    for (const auto& rep : reps) v.push_back(rep[r].backward_us);
+    out[r].backward_us = median(v);
     for (int st = 0; st < kStages; ++st) {
       v.clear();
       for (const auto& rep : reps) v.push_back(rep[r].stage_us[st]);
@@ -903,6 +980,7 @@ int run_gpu(const Options& o, int devices) {
         std::lock_guard<std::mutex> lock(mu);
         to->plan = from.plan;
         to->total_us = from.total_us;
+        to->backward_us = from.backward_us;
         std::copy(from.stage_us, from.stage_us + kStages, to->stage_us);
       };
       // Every system on one communicator, one after the other: every rank destroys each EPFlow
@@ -921,7 +999,8 @@ int run_gpu(const Options& o, int devices) {
             const int64_t interleave_rows = v == 0 && interleaved ? yardstick_rows(rank) : 0;
             EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(rc, variants[v], routing, T, o, comm, checked,
                                                      &r, &y_variant[v][rank], trace,
-                                                     interleave_rows));
+                                                     interleave_rows,
+                                                     v == 0 && o.backward && !o.check));
             keep_times(r, &variant_results[v][rank]);
             if (interleave_rows > 0) interleaved_dense[rank] = r.interleaved_dense_tflops;
           }
@@ -1052,6 +1131,17 @@ int run_gpu(const Options& o, int devices) {
                          &variants[v], layer_us_per_repeat(variant_reps[v]),
                          v == 0 && have_roof ? &yard : nullptr);
         first = false;
+        if (v == 0 && o.backward && !o.check) {
+          const RankResult& b = slowest_backward(variant_results[0]);
+          std::printf("  %-26s %10.1f %12.1f  (GPU backward not yet verified: issue [F])\n",
+                      "epflow backward", b.backward_us,
+                      2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6);
+          json << ",\n    {\"system\": \"epflow\", \"direction\": \"bwd\", \"preset\": \""
+               << p->name << "\", \"tokens\": " << T << ", \"layer_us\": "
+               << json_num(b.backward_us) << ", \"layer_tflops_per_gpu\": "
+               << json_num(2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6)
+               << ", \"verified\": false}";
+        }
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
       }
       if (nccl_cublas) {

@@ -210,22 +210,23 @@ def main(paths):
     layer = [d for d in docs if d.get("kind") != "gemm"]
     gemm = [d for d in docs if d.get("kind") == "gemm"]
     runs = layer_runs(layer)
-    if {r["system"] for r in runs} - {"epflow"}:
+
+    # EPFlow's own per-stage table (forward stages; a backward run has none).
+    def epflow_stages(r):
+        return (r.get("system", "epflow") == "epflow" and r.get("direction", "fwd") == "fwd"
+                and "stage_us_0" in r)
+    epflow = [{**d, "runs": [r for r in d["runs"] if epflow_stages(r)]} for d in layer]
+    epflow = [d for d in epflow if d["runs"]]
+    if {(r["system"], r["direction"]) for r in runs} - {("epflow", "fwd")}:
         render_comparison(runs)
-        # EPFlow's own per-stage table (forward stages), under the comparison.
-        def epflow_stages(r):
-            return (r.get("system", "epflow") == "epflow" and r.get("direction", "fwd") == "fwd"
-                    and "stage_us_0" in r)
-        epflow = [{**d, "runs": [r for r in d["runs"] if epflow_stages(r)]} for d in layer]
-        epflow = [d for d in epflow if d["runs"]]
         if epflow:
             print()
             render_epflow(epflow)
         if any(r["system"] == SWEEP for r in runs):
             print()
             render_sweep(runs)
-    elif layer:
-        render_epflow(layer)
+    elif epflow:
+        render_epflow(epflow)
     if layer and gemm:
         print()
     if gemm:
