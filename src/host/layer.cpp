@@ -148,6 +148,10 @@ struct Layer::Impl {
   Status barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
                          __nv_bfloat16* out, cudaStream_t stream);
   Status earlier_failure() const;
+  // Grid of the warp-per-row kernels (dispatch, combine, SwiGLU backward): a few waves of CTAs.
+  int32_t row_mover_blocks() const { return 4 * sm_count; }
+  Status pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream);
+  Status push_rows(const __nv_bfloat16* rows, cudaStream_t stream);
   Status run_megakernel(const ForwardArgs& args, cudaStream_t stream);
   Status run_unfused(const ForwardArgs& args, cudaStream_t stream, const StageEvents* events);
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
@@ -279,17 +283,7 @@ Status Layer::Impl::run_unfused(const ForwardArgs& a, cudaStream_t stream,
     return events ? cudaEventRecord(events->*which, stream) : cudaSuccess;
   };
   const LayerConfig& c = config;
-  const int32_t copy_blocks = 4 * sm_count;
-  kernels::DispatchArgs d;
-  d.peers = peers;
-  d.x_offset = layout.x;
-  d.table = schedule_buffers.table;
-  d.seg_offset = schedule_buffers.seg_offset;
-  d.experts = c.experts_per_rank();
-  d.hidden = c.hidden;
-  d.top_k = c.top_k;
-  d.routed_x = routed_x;
-  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, copy_blocks, stream));
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, routed_x, stream));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::dispatch_done));
 
   kernels::ExpertFfnArgs f;
@@ -308,15 +302,36 @@ Status Layer::Impl::run_unfused(const ForwardArgs& a, cudaStream_t stream,
   EPFLOW_CUDA_RETURN(kernels::launch_expert_ffn(f, stream));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::ffn_done));
 
+  return push_rows(routed_y, stream);
+}
+
+// Pull dispatch: every routed row of the pull table from its source rank's window region at
+// `offset` ([T_max, H]: x, or the backward's dy) into `out` [max_rows, H].
+Status Layer::Impl::pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream) {
+  kernels::DispatchArgs d;
+  d.peers = peers;
+  d.x_offset = offset;
+  d.table = schedule_buffers.table;
+  d.seg_offset = schedule_buffers.seg_offset;
+  d.experts = config.experts_per_rank();
+  d.hidden = config.hidden;
+  d.top_k = config.top_k;
+  d.routed_x = out;
+  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, row_mover_blocks(), stream));
+  return Status::ok_status();
+}
+
+// Push combine: every routed row of `rows` [max_rows, H] into its owner's (token, k) slot.
+Status Layer::Impl::push_rows(const __nv_bfloat16* rows, cudaStream_t stream) {
   kernels::CombineArgs cb;
   cb.peers = peers;
   cb.combine_offset = layout.combine;
   cb.table = schedule_buffers.table;
   cb.seg_offset = schedule_buffers.seg_offset;
-  cb.experts = c.experts_per_rank();
-  cb.hidden = c.hidden;
-  cb.routed_y = routed_y;
-  EPFLOW_CUDA_RETURN(kernels::launch_push_combine(cb, copy_blocks, stream));
+  cb.experts = config.experts_per_rank();
+  cb.hidden = config.hidden;
+  cb.routed_y = rows;
+  EPFLOW_CUDA_RETURN(kernels::launch_push_combine(cb, row_mover_blocks(), stream));
   return Status::ok_status();
 }
 
@@ -462,20 +477,8 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   }
   EPFLOW_RETURN_IF_ERROR(exchange_and_schedule(T, saved.x, saved.topk_idx, stream));
 
-  const int32_t copy_blocks = 4 * sm_count;
-  kernels::DispatchArgs d;
-  d.peers = peers;
-  d.table = schedule_buffers.table;
-  d.seg_offset = schedule_buffers.seg_offset;
-  d.experts = E;
-  d.hidden = H;
-  d.top_k = c.top_k;
-  d.x_offset = layout.x;
-  d.routed_x = bw_x;
-  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, copy_blocks, stream));
-  d.x_offset = layout.dy;
-  d.routed_x = bw_dy;
-  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, copy_blocks, stream));
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, stream));
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream));
 
   const kernels::ExpertSegments segments{E, max_rows, schedule_buffers.seg_offset,
                                          schedule_buffers.expert_rows};
@@ -513,7 +516,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   sb.dy_dz = bw_dy;
   sb.dgu = bw_dgu;
   sb.x_rows = bw_x;
-  EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, copy_blocks, stream));
+  EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, row_mover_blocks(), stream));
 
   dg.k = 2 * I;
   dg.k0 = I;
@@ -548,15 +551,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
     EPFLOW_CUDA_RETURN(kernels::launch_expert_wgrad(wg, stream));
   }
 
-  kernels::CombineArgs cb;
-  cb.peers = peers;
-  cb.combine_offset = layout.combine;
-  cb.table = schedule_buffers.table;
-  cb.seg_offset = schedule_buffers.seg_offset;
-  cb.experts = E;
-  cb.hidden = H;
-  cb.routed_y = bw_dx;
-  EPFLOW_CUDA_RETURN(kernels::launch_push_combine(cb, copy_blocks, stream));
+  EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, stream));
   EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, saved.topk_idx, nullptr, a.dx, stream));
   if (T > 0)
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(a.d_topk_weights, mine + layout.d_weights,
