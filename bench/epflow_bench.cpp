@@ -63,9 +63,10 @@ struct Options {
   std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
   bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
   // Also time EPFlow's backward (default knobs): after one forward that saves its context, the
-  // backward alone, with dy = x and fp32 weight gradients written. The GPU backward has not
-  // passed its tests yet (issue [F]): the figures say so.
+  // backward alone, with dy = x and the weight gradients written in grad_dtype (bf16 by
+  // default: what the NCCL+PyTorch baseline's autograd writes for bf16 weights).
   bool backward = false;
+  GradDType grad_dtype = GradDType::kBF16;
   // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
   std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
   std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
@@ -95,11 +96,13 @@ void usage() {
       "                    [--check] [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
       "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
       "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
+      "                    [--grad-dtype bf16|fp32]\n"
       "  --warmup N   untimed calls before the timed ones, for every system and yardstick\n"
       "               (default 100: the sustained power state at large sizes)\n"
       "  --repeats N  run each point's whole sequence (systems, yardsticks) N times and\n"
       "               report the medians over the repeats (default 1)\n"
-      "  --backward   also time EPFlow's backward (not yet verified on a GPU: issue [F])\n"
+      "  --backward   also time EPFlow's backward and its stages (dy = x, weight gradients\n"
+      "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
       "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
@@ -165,6 +168,9 @@ bool parse(int argc, char** argv, Options* o) {
                  })) {
         return false;
       }
+    } else if (a == "--grad-dtype") {
+      if (v != "bf16" && v != "fp32") return false;
+      o->grad_dtype = v == "bf16" ? GradDType::kBF16 : GradDType::kFP32;
     } else if (a == "--trace") {
       o->trace = v;
     } else if (a == "--yardstick") {
@@ -278,6 +284,7 @@ struct RankResult {
   int64_t nvlink_rows_out = 0;  // rows pushed to other ranks (combine), same count
   double interleaved_dense_tflops = 0;  // --yardstick interleaved: cuBLAS between the calls
   double backward_us = 0;               // --backward: EPFlow's backward alone (median)
+  double backward_stage_us[kBackwardStages] = {};
 };
 
 double median(std::vector<double> v) {
@@ -363,23 +370,26 @@ class RankData {
   }
   const ForwardArgs& args() const { return args_; }
 
-  // The backward's outputs (dx, d topk_weights, fp32 weight gradients) and its arguments, dy = x.
-  Status create_grads(const LayerConfig& c, int64_t T) {
+  // The backward's outputs (dx, d topk_weights, weight gradients in `dtype`) and its arguments,
+  // dy = x.
+  Status create_grads(const LayerConfig& c, int64_t T, GradDType dtype) {
     const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank(), K = c.top_k;
+    const int64_t grad_words = (dtype == GradDType::kFP32 ? 2 : 1) * E * I * H / 2;
     __nv_bfloat16* dx = nullptr;
-    float *dtw = nullptr, *dg = nullptr, *du = nullptr, *dd = nullptr;
+    float* dtw = nullptr;
+    float *dg = nullptr, *du = nullptr, *dd = nullptr;  // 4-byte words, whatever the dtype
     EPFLOW_RETURN_IF_ERROR(alloc(&dx, T * H, "cudaMalloc (dx)"));
     EPFLOW_RETURN_IF_ERROR(alloc(&dtw, T * K, "cudaMalloc (d topk_weights)"));
-    EPFLOW_RETURN_IF_ERROR(alloc(&dg, E * I * H, "cudaMalloc (d W_gate)"));
-    EPFLOW_RETURN_IF_ERROR(alloc(&du, E * I * H, "cudaMalloc (d W_up)"));
-    EPFLOW_RETURN_IF_ERROR(alloc(&dd, E * H * I, "cudaMalloc (d W_down)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&dg, grad_words, "cudaMalloc (d W_gate)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&du, grad_words, "cudaMalloc (d W_up)"));
+    EPFLOW_RETURN_IF_ERROR(alloc(&dd, grad_words, "cudaMalloc (d W_down)"));
     grads_.dy = x_;
     grads_.dx = dx;
     grads_.d_topk_weights = dtw;
     grads_.d_gate = dg;
     grads_.d_up = du;
     grads_.d_down = dd;
-    grads_.grad_dtype = GradDType::kFP32;
+    grads_.grad_dtype = dtype;
     return Status::ok_status();
   }
   const BackwardArgs& grads() const { return grads_; }
@@ -402,40 +412,8 @@ class RankData {
   BackwardArgs grads_;
 };
 
-// --backward: one forward saving its context, then warmup + iters backward calls; the median of
-// the timed ones (CUDA events around each call) in out->backward_us.
-Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t T,
-                     const Options& o, cudaStream_t stream, RankResult* out) {
-  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T));
-  LayerInternals::enable_untested_backward(layer);
-  SavedContext saved;
-  EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
-  const int n = o.warmup + o.iters;
-  std::vector<cudaEvent_t> ev(2 * n, nullptr);
-  Status s = Status::ok_status();
-  for (cudaEvent_t& e : ev)
-    if (s.ok()) s = cuda_status(cudaEventCreate(&e), "cudaEventCreate");
-  for (int i = 0; i < n && s.ok(); ++i) {
-    s = cuda_status(cudaEventRecord(ev[2 * i], stream), "cudaEventRecord");
-    if (s.ok()) s = layer.backward(data.grads(), saved, stream);
-    if (s.ok()) s = cuda_status(cudaEventRecord(ev[2 * i + 1], stream), "cudaEventRecord");
-  }
-  if (s.ok())
-    s = with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow backward"));
-  std::vector<double> us;
-  for (int i = o.warmup; i < n && s.ok(); ++i) {
-    float ms = 0;
-    s = cuda_status(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
-    us.push_back(ms * 1e3);
-  }
-  for (cudaEvent_t e : ev)
-    if (e) cudaEventDestroy(e);
-  EPFLOW_RETURN_IF_ERROR(s);
-  out->backward_us = median(us);
-  return Status::ok_status();
-}
-
-// kStages + 1 events per iteration: its start, then the end of each stage.
+// kN + 1 events per iteration (kN stages): its start, then the end of each stage.
+template <int kN>
 class IterationEvents {
  public:
   IterationEvents() = default;
@@ -447,36 +425,56 @@ class IterationEvents {
   IterationEvents& operator=(const IterationEvents&) = delete;
 
   Status create(int iterations) {
-    ev_.assign(static_cast<size_t>(iterations) * (kStages + 1), nullptr);
+    ev_.assign(static_cast<size_t>(iterations) * (kN + 1), nullptr);
     for (cudaEvent_t& e : ev_)
       EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&e), "cudaEventCreate"));
     return Status::ok_status();
   }
-  const cudaEvent_t* marks(int i) const { return ev_.data() + i * (kStages + 1); }
+  const cudaEvent_t* marks(int i) const { return ev_.data() + i * (kN + 1); }
 
   // Median of the whole and of each stage over the iterations after `warmup` (all recorded).
-  Status summarize(int warmup, RankResult* out) const {
-    std::vector<double> total, stage[kStages];
-    for (int i = warmup; i < static_cast<int>(ev_.size()) / (kStages + 1); ++i) {
+  Status summarize(int warmup, double* total_us, double* stage_us) const {
+    std::vector<double> total, stage[kN];
+    for (int i = warmup; i < static_cast<int>(ev_.size()) / (kN + 1); ++i) {
       const cudaEvent_t* m = marks(i);
       float ms = 0;
       EPFLOW_RETURN_IF_ERROR(
-          cuda_status(cudaEventElapsedTime(&ms, m[0], m[kStages]), "cudaEventElapsedTime"));
+          cuda_status(cudaEventElapsedTime(&ms, m[0], m[kN]), "cudaEventElapsedTime"));
       total.push_back(ms * 1e3);
-      for (int s = 0; s < kStages; ++s) {
+      for (int s = 0; s < kN; ++s) {
         EPFLOW_RETURN_IF_ERROR(
             cuda_status(cudaEventElapsedTime(&ms, m[s], m[s + 1]), "cudaEventElapsedTime"));
         stage[s].push_back(ms * 1e3);
       }
     }
-    out->total_us = median(total);
-    for (int s = 0; s < kStages; ++s) out->stage_us[s] = median(stage[s]);
+    *total_us = median(total);
+    for (int s = 0; s < kN; ++s) stage_us[s] = median(stage[s]);
     return Status::ok_status();
   }
 
  private:
   std::vector<cudaEvent_t> ev_;
 };
+using ForwardEvents = IterationEvents<kStages>;
+
+// --backward: one forward saving its context, then warmup + iters backward calls with an event
+// at each stage boundary; the medians of the timed ones in out->backward_us and
+// out->backward_stage_us.
+Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t T,
+                     const Options& o, cudaStream_t stream, RankResult* out) {
+  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, o.grad_dtype));
+  SavedContext saved;
+  EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
+  const int n = o.warmup + o.iters;
+  IterationEvents<kBackwardStages> ev;
+  EPFLOW_RETURN_IF_ERROR(ev.create(n));
+  for (int i = 0; i < n; ++i)
+    EPFLOW_RETURN_IF_ERROR(LayerInternals::backward_with_stage_events(layer, data.grads(), saved,
+                                                                      stream, ev.marks(i)));
+  EPFLOW_RETURN_IF_ERROR(
+      with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow backward")));
+  return ev.summarize(o.warmup, &out->backward_us, out->backward_stage_us);
+}
 
 // The rows of `tokens` of y [T, H] as floats, token after token.
 Status fetch_rows(const __nv_bfloat16* y, const std::vector<int64_t>& tokens, int64_t H,
@@ -544,10 +542,10 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   RankData data;
   EPFLOW_RETURN_IF_ERROR(data.create(c, routing[c.ep_rank], T, o.seed, stream.get()));
   const int n = o.warmup + o.iters;
-  IterationEvents ev;
+  ForwardEvents ev;
   EPFLOW_RETURN_IF_ERROR(ev.create(n));
   std::unique_ptr<bench::DenseFfn> dense;
-  IterationEvents dense_ev;  // one interval per call: its first two marks
+  ForwardEvents dense_ev;  // one interval per call: its first two marks
   if (interleave_rows > 0) {
     EPFLOW_RETURN_IF_ERROR(
         bench::DenseFfn::create(interleave_rows, c.hidden, c.intermediate, stream.get(), &dense));
@@ -568,7 +566,7 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   // A timed-out wait traps its kernel: say which.
   EPFLOW_RETURN_IF_ERROR(with_device_failure(
       *layer, cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run")));
-  EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, out));
+  EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, &out->total_us, out->stage_us));
   if (dense) {
     std::vector<double> ms;
     for (int i = o.warmup; i < n; ++i) {
@@ -600,12 +598,12 @@ Status bench_nccl_cublas_rank(const LayerConfig& c, const std::vector<bench::Rou
   // Untimed: NCCL connects the peers, cuBLAS picks its kernels, the receive buffers grow.
   EPFLOW_RETURN_IF_ERROR(moe->forward(data.args(), nullptr));
   const int n = o.warmup + o.iters;
-  IterationEvents ev;
+  ForwardEvents ev;
   EPFLOW_RETURN_IF_ERROR(ev.create(n));
   for (int i = 0; i < n; ++i) EPFLOW_RETURN_IF_ERROR(moe->forward(data.args(), ev.marks(i)));
   EPFLOW_RETURN_IF_ERROR(
       cuda_status(cudaStreamSynchronize(stream.get()), "nccl-cublas benchmark run"));
-  EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, out));
+  EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, &out->total_us, out->stage_us));
   return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
 }
 
@@ -728,6 +726,11 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     v.clear();
     for (const auto& rep : reps) v.push_back(rep[r].backward_us);
     out[r].backward_us = median(v);
+    for (int st = 0; st < kBackwardStages; ++st) {
+      v.clear();
+      for (const auto& rep : reps) v.push_back(rep[r].backward_stage_us[st]);
+      out[r].backward_stage_us[st] = median(v);
+    }
     for (int st = 0; st < kStages; ++st) {
       v.clear();
       for (const auto& rep : reps) v.push_back(rep[r].stage_us[st]);
@@ -1133,14 +1136,24 @@ int run_gpu(const Options& o, int devices) {
         first = false;
         if (v == 0 && o.backward && !o.check) {
           const RankResult& b = slowest_backward(variant_results[0]);
-          std::printf("  %-26s %10.1f %12.1f  (GPU backward not yet verified: issue [F])\n",
+          const char* dtype = o.grad_dtype == GradDType::kBF16 ? "bf16" : "fp32";
+          std::printf("  %-26s %10.1f %12.1f  (weight gradients %s, written)\n",
                       "epflow backward", b.backward_us,
-                      2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6);
+                      2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype);
+          std::printf("    its stages (us, slowest rank):");
+          for (int st = 0; st < kBackwardStages; ++st)
+            std::printf("%s %s %.1f", st ? ";" : "", kBackwardStageNames[st],
+                        b.backward_stage_us[st]);
+          std::printf("\n");
           json << ",\n    {\"system\": \"epflow\", \"direction\": \"bwd\", \"preset\": \""
                << p->name << "\", \"tokens\": " << T << ", \"layer_us\": "
                << json_num(b.backward_us) << ", \"layer_tflops_per_gpu\": "
                << json_num(2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6)
-               << ", \"verified\": false}";
+               << ", \"grad_dtype\": \"" << dtype << "\", \"stage_us\": {";
+          for (int st = 0; st < kBackwardStages; ++st)
+            json << (st ? ", " : "") << '"' << kBackwardStageNames[st]
+                 << "\": " << json_num(b.backward_stage_us[st]);
+          json << "}}";
         }
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
       }

@@ -121,9 +121,6 @@ struct Layer::Impl {
   void* backward_buffers = nullptr;
   __nv_bfloat16 *bw_x = nullptr, *bw_dy = nullptr, *bw_dx = nullptr;
   __nv_bfloat16 *bw_g = nullptr, *bw_u = nullptr, *bw_dhp = nullptr, *bw_dgu = nullptr;
-  // Until the backward has passed its GPU tests, Layer::backward runs it only when enabled
-  // (LayerInternals::enable_untested_backward) and answers kNotImplemented otherwise.
-  bool backward_enabled = false;
 
   uint64_t generation = 0;
   MemoryReport memory;
@@ -157,7 +154,8 @@ struct Layer::Impl {
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
                  const StageEvents* events);
   Status allocate_backward();
-  Status backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream);
+  Status backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream,
+                  const cudaEvent_t* marks);
 };
 
 Status Layer::Impl::allocate() {
@@ -456,13 +454,25 @@ Status Layer::Impl::allocate_backward() {
 // dy rows pulled, g and u recomputed, dhp = dy W_down, the SwiGLU and router-weight backward
 // (d topk_weights pushed to the owners), dx rows = [dg | du] [W_gate; W_up] pushed into the
 // owners' combine slots, the weight gradients, then each owner sums its dx over k.
+const char* const kBackwardStageNames[kBackwardStages] = {
+    "inputs+metadata+schedule", "pull x, dy rows",     "g, u recompute",
+    "dhp = dy W_down",          "SwiGLU backward",     "dx = [dg|du] [Wg; Wu]",
+    "weight gradients",         "push dx, barrier, sum"};
+
 Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, const cudaEvent_t* marks) {
+  int stage = 0;
+  auto mark = [&]() { return marks ? cudaEventRecord(marks[stage++], stream) : cudaSuccess; };
+  if (saved.generation != generation)
+    return error_status(StatusCode::kInvalidArgument, "saved context of forward call ",
+                        saved.generation, " is stale: forward has run since (call ", generation,
+                        ")");
   const LayerConfig& c = config;
   const int64_t T = saved.num_tokens, H = c.hidden, I = c.intermediate;
   const int32_t E = c.experts_per_rank();
   EPFLOW_RETURN_IF_ERROR(earlier_failure());
   EPFLOW_RETURN_IF_ERROR(allocate_backward());
+  EPFLOW_CUDA_RETURN(mark());
   char* mine = static_cast<char*>(window.local());
   // Before the first barrier (after it, peers read and write this window): the router weights
   // and dy the experts' GPUs read, and the d topk_weights slots they write (empty slots stay 0).
@@ -476,9 +486,11 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
         cudaMemsetAsync(mine + layout.d_weights, 0, sizeof(float) * T * c.top_k, stream));
   }
   EPFLOW_RETURN_IF_ERROR(exchange_and_schedule(T, saved.x, saved.topk_idx, stream));
+  EPFLOW_CUDA_RETURN(mark());
 
   EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, stream));
   EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream));
+  EPFLOW_CUDA_RETURN(mark());
 
   const kernels::ExpertSegments segments{E, max_rows, schedule_buffers.seg_offset,
                                          schedule_buffers.expert_rows};
@@ -492,6 +504,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
     l.out = out;
     EPFLOW_CUDA_RETURN(kernels::launch_expert_linear(l, stream));
   }
+  EPFLOW_CUDA_RETURN(mark());
   kernels::ExpertDgradArgs dg;
   dg.segments = segments;
   dg.k = H;
@@ -500,6 +513,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   dg.w0 = saved.weights.down;
   dg.out = bw_dhp;
   EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
+  EPFLOW_CUDA_RETURN(mark());
 
   kernels::SwigluBackwardArgs sb;
   sb.peers = peers;
@@ -517,6 +531,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   sb.dgu = bw_dgu;
   sb.x_rows = bw_x;
   EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, row_mover_blocks(), stream));
+  EPFLOW_CUDA_RETURN(mark());
 
   dg.k = 2 * I;
   dg.k0 = I;
@@ -526,6 +541,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   dg.w1 = saved.weights.up;
   dg.out = bw_dx;
   EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
+  EPFLOW_CUDA_RETURN(mark());
 
   // dW_down = dzᵀ h, dW_gate = dgᵀ x, dW_up = duᵀ x.
   kernels::ExpertWgradArgs wg;
@@ -550,6 +566,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
     wg.dw = w.dw;
     EPFLOW_CUDA_RETURN(kernels::launch_expert_wgrad(wg, stream));
   }
+  EPFLOW_CUDA_RETURN(mark());
 
   EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, stream));
   EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, saved.topk_idx, nullptr, a.dx, stream));
@@ -557,6 +574,10 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(a.d_topk_weights, mine + layout.d_weights,
                                        sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
                                        stream));
+  EPFLOW_CUDA_RETURN(mark());
+  if (marks && stage != kBackwardStages + 1)
+    return error_status(StatusCode::kInternal, "backward recorded ", stage, " stage events, not ",
+                        kBackwardStages + 1);
   return Status::ok_status();
 }
 
@@ -654,18 +675,14 @@ Status LayerInternals::forward_with_stage_events(Layer& layer, const ForwardArgs
 
 Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, saved, args));
-  if (saved.generation != impl_->generation)
-    return error_status(StatusCode::kInvalidArgument, "saved context of forward call ",
-                        saved.generation, " is stale: forward has run since (call ",
-                        impl_->generation, ")");
-  if (!impl_->backward_enabled)
-    return error_status(StatusCode::kNotImplemented,
-                        "GPU backward is written but has not passed its GPU tests yet (issue [F])");
-  return with_device_failure(*this, impl_->backward(args, saved, stream));
+  return with_device_failure(*this, impl_->backward(args, saved, stream, nullptr));
 }
 
-void LayerInternals::enable_untested_backward(Layer& layer) {
-  layer.impl_->backward_enabled = true;
+Status LayerInternals::backward_with_stage_events(Layer& layer, const BackwardArgs& args,
+                                                  const SavedContext& saved, cudaStream_t stream,
+                                                  const cudaEvent_t* marks) {
+  EPFLOW_RETURN_IF_ERROR(validate(layer.impl_->config, saved, args));
+  return with_device_failure(layer, layer.impl_->backward(args, saved, stream, marks));
 }
 
 const LayerConfig& Layer::config() const { return impl_->config; }

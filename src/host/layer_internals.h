@@ -22,6 +22,11 @@ struct StageEvents {
   cudaEvent_t end;            // (unfused: push combine,) barrier, weighted sum
 };
 
+// The backward's stages, in order; backward_with_stage_events records an event before the first
+// and after each one.
+inline constexpr int kBackwardStages = 8;
+extern const char* const kBackwardStageNames[kBackwardStages];
+
 struct LayerInternals {
   // Switches the layer to the unfused chain (allocating its [max_rows] buffers once) or back.
   static Status use_unfused_forward(Layer& layer, bool unfused);
@@ -33,9 +38,10 @@ struct LayerInternals {
                             std::vector<kernels::MegakernelTraceRecord>* out);
   static Status forward_with_stage_events(Layer& layer, const ForwardArgs& args,
                                           cudaStream_t stream, const StageEvents& events);
-  // Lets Layer::backward run the GPU backward, which answers kNotImplemented until it has passed
-  // its GPU tests (issue [F]); the backward gpu test calls this.
-  static void enable_untested_backward(Layer& layer);
+  // `marks`: kBackwardStages + 1 events.
+  static Status backward_with_stage_events(Layer& layer, const BackwardArgs& args,
+                                           const SavedContext& saved, cudaStream_t stream,
+                                           const cudaEvent_t* marks);
 };
 
 }  // namespace epflow

@@ -83,7 +83,6 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     c.ep_rank = rank;
     std::unique_ptr<Layer> layer;
     if (Status s = Layer::create(c, comm, &layer); !s.ok()) return s;
-    LayerInternals::enable_untested_backward(*layer);
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
     const int64_t T = in[rank].num_tokens;
     std::vector<__nv_bfloat16*> w(3, nullptr);
