@@ -285,6 +285,7 @@ struct RankResult {
   double interleaved_dense_tflops = 0;  // --yardstick interleaved: cuBLAS between the calls
   double backward_us = 0;               // --backward: EPFlow's backward alone (median)
   double backward_stage_us[kBackwardStages] = {};
+  double forward_saving_us = 0;  // --backward: the forward that keeps g | u for it (median)
 };
 
 double median(std::vector<double> v) {
@@ -457,15 +458,26 @@ class IterationEvents {
 };
 using ForwardEvents = IterationEvents<kStages>;
 
-// --backward: one forward saving its context, then warmup + iters backward calls with an event
-// at each stage boundary; the medians of the timed ones in out->backward_us and
+// --backward: warmup + iters forward calls that save their context (median in
+// out->forward_saving_us), then warmup + iters backward calls of the last one with an event at
+// each stage boundary; the medians of the timed ones in out->backward_us and
 // out->backward_stage_us.
 Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t T,
                      const Options& o, cudaStream_t stream, RankResult* out) {
   EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, o.grad_dtype));
   SavedContext saved;
-  EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
   const int n = o.warmup + o.iters;
+  IterationEvents<1> fwd;
+  EPFLOW_RETURN_IF_ERROR(fwd.create(n));
+  for (int i = 0; i < n; ++i) {
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(fwd.marks(i)[0], stream), "cudaEventRecord"));
+    EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(fwd.marks(i)[1], stream), "cudaEventRecord"));
+  }
+  double unused_stage = 0;
+  EPFLOW_RETURN_IF_ERROR(
+      with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow forward")));
+  EPFLOW_RETURN_IF_ERROR(fwd.summarize(o.warmup, &out->forward_saving_us, &unused_stage));
   IterationEvents<kBackwardStages> ev;
   EPFLOW_RETURN_IF_ERROR(ev.create(n));
   for (int i = 0; i < n; ++i)
@@ -726,6 +738,9 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     v.clear();
     for (const auto& rep : reps) v.push_back(rep[r].backward_us);
     out[r].backward_us = median(v);
+    v.clear();
+    for (const auto& rep : reps) v.push_back(rep[r].forward_saving_us);
+    out[r].forward_saving_us = median(v);
     for (int st = 0; st < kBackwardStages; ++st) {
       v.clear();
       for (const auto& rep : reps) v.push_back(rep[r].backward_stage_us[st]);
@@ -984,7 +999,10 @@ int run_gpu(const Options& o, int devices) {
         to->plan = from.plan;
         to->total_us = from.total_us;
         to->backward_us = from.backward_us;
+        to->forward_saving_us = from.forward_saving_us;
         std::copy(from.stage_us, from.stage_us + kStages, to->stage_us);
+        std::copy(from.backward_stage_us, from.backward_stage_us + kBackwardStages,
+                  to->backward_stage_us);
       };
       // Every system on one communicator, one after the other: every rank destroys each EPFlow
       // layer (and its windows) before the next system's calls, in the same order.
@@ -1140,16 +1158,25 @@ int run_gpu(const Options& o, int devices) {
           std::printf("  %-26s %10.1f %12.1f  (weight gradients %s, written)\n",
                       "epflow backward", b.backward_us,
                       2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype);
+          const RankResult& f = *std::max_element(
+              variant_results[0].begin(), variant_results[0].end(),
+              [](const RankResult& a, const RankResult& b) {
+                return a.forward_saving_us < b.forward_saving_us;
+              });
           std::printf("    its stages (us, slowest rank):");
           for (int st = 0; st < kBackwardStages; ++st)
             std::printf("%s %s %.1f", st ? ";" : "", kBackwardStageNames[st],
                         b.backward_stage_us[st]);
           std::printf("\n");
+          std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
+                      forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
           json << ",\n    {\"system\": \"epflow\", \"direction\": \"bwd\", \"preset\": \""
                << p->name << "\", \"tokens\": " << T << ", \"layer_us\": "
                << json_num(b.backward_us) << ", \"layer_tflops_per_gpu\": "
                << json_num(2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6)
-               << ", \"grad_dtype\": \"" << dtype << "\", \"stage_us\": {";
+               << ", \"grad_dtype\": \"" << dtype
+               << "\", \"forward_saving_us\": " << json_num(f.forward_saving_us)
+               << ", \"stage_us\": {";
           for (int st = 0; st < kBackwardStages; ++st)
             json << (st ? ", " : "") << '"' << kBackwardStageNames[st]
                  << "\": " << json_num(b.backward_stage_us[st]);

@@ -116,11 +116,17 @@ struct Layer::Impl {
   __nv_bfloat16* routed_h = nullptr;
   __nv_bfloat16* routed_y = nullptr;
 
+  // What a forward that fills a SavedContext keeps for the backward: every routed row's g | u
+  // ([max_rows, 2I], pull-table order), written by the megakernel; allocated by the first such
+  // forward. saved_generation: the forward call whose g | u it holds (0: none).
+  __nv_bfloat16* saved_gate_up = nullptr;
+  uint64_t saved_generation = 0;
+
   // The backward's row buffers over [max_rows]: x rows, dy rows (then dz), dx rows ([H] each);
-  // g, u, dhp (then h) ([I] each); [dg | du] ([2I]). Allocated by the first backward.
+  // dhp (then h) ([I]); [dg | du] ([2I]). Allocated by the first backward.
   void* backward_buffers = nullptr;
   __nv_bfloat16 *bw_x = nullptr, *bw_dy = nullptr, *bw_dx = nullptr;
-  __nv_bfloat16 *bw_g = nullptr, *bw_u = nullptr, *bw_dhp = nullptr, *bw_dgu = nullptr;
+  __nv_bfloat16 *bw_dhp = nullptr, *bw_dgu = nullptr;
 
   uint64_t generation = 0;
   MemoryReport memory;
@@ -131,6 +137,7 @@ struct Layer::Impl {
     if (local) cudaFree(local);
     if (unfused_buffers) cudaFree(unfused_buffers);
     if (backward_buffers) cudaFree(backward_buffers);
+    if (saved_gate_up) cudaFree(saved_gate_up);
     window.destroy();
   }
 
@@ -149,7 +156,7 @@ struct Layer::Impl {
   int32_t row_mover_blocks() const { return 4 * sm_count; }
   Status pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream);
   Status push_rows(const __nv_bfloat16* rows, cudaStream_t stream);
-  Status run_megakernel(const ForwardArgs& args, cudaStream_t stream);
+  Status run_megakernel(const ForwardArgs& args, bool keep_gate_up, cudaStream_t stream);
   Status run_unfused(const ForwardArgs& args, cudaStream_t stream, const StageEvents* events);
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
                  const StageEvents* events);
@@ -241,7 +248,7 @@ Status Layer::Impl::enable_unfused() {
   return Status::ok_status();
 }
 
-Status Layer::Impl::run_megakernel(const ForwardArgs& a, cudaStream_t stream) {
+Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cudaStream_t stream) {
   const LayerConfig& c = config;
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(ring_counters, 0, ring_counter_bytes, stream));
   kernels::ForwardMegakernelArgs m;
@@ -267,6 +274,14 @@ Status Layer::Impl::run_megakernel(const ForwardArgs& a, cudaStream_t stream) {
   m.rank = c.ep_rank;
   m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
   m.diagnostic = diagnostic_device;
+  if (keep_gate_up) {
+    if (!saved_gate_up) {
+      const size_t bytes = sizeof(__nv_bfloat16) * max_rows * 2 * c.intermediate;
+      EPFLOW_CUDA_RETURN(cudaMalloc(&saved_gate_up, bytes));
+      memory.saved_bytes = static_cast<int64_t>(bytes);
+    }
+    m.gate_up_out = saved_gate_up;
+  }
   if (trace) {
     EPFLOW_CUDA_RETURN(cudaMemsetAsync(trace, 0xff, trace_bytes(), stream));  // task -1: unused
     m.trace = trace;
@@ -415,7 +430,7 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
     // The megakernel has no stage boundaries inside: dispatch_done marks its start and
     // ffn_done its end, so the benchmark reports it as one stage.
     EPFLOW_CUDA_RETURN(mark(&StageEvents::dispatch_done));
-    EPFLOW_RETURN_IF_ERROR(run_megakernel(a, stream));
+    EPFLOW_RETURN_IF_ERROR(run_megakernel(a, saved != nullptr, stream));
     EPFLOW_CUDA_RETURN(mark(&StageEvents::ffn_done));
   }
 
@@ -425,6 +440,7 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
   if (saved) {
     *saved = SavedContext{};
     saved->generation = ++generation;
+    saved_generation = unfused ? 0 : generation;
     saved->num_tokens = T;
     saved->x = a.x;
     saved->topk_idx = a.topk_idx;
@@ -437,12 +453,12 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
 Status Layer::Impl::allocate_backward() {
   if (backward_buffers) return Status::ok_status();
   const int64_t H = config.hidden, I = config.intermediate;
-  const size_t row_elems = static_cast<size_t>(3 * H + 5 * I);
+  const size_t row_elems = static_cast<size_t>(3 * H + 3 * I);
   const size_t bytes = sizeof(__nv_bfloat16) * max_rows * row_elems;
   EPFLOW_CUDA_RETURN(cudaMalloc(&backward_buffers, bytes));
   __nv_bfloat16* p = static_cast<__nv_bfloat16*>(backward_buffers);
-  for (auto [buf, cols] : {std::pair{&bw_x, H}, {&bw_dy, H}, {&bw_dx, H}, {&bw_g, I}, {&bw_u, I},
-                           {&bw_dhp, I}, {&bw_dgu, 2 * I}}) {
+  for (auto [buf, cols] :
+       {std::pair{&bw_x, H}, {&bw_dy, H}, {&bw_dx, H}, {&bw_dhp, I}, {&bw_dgu, 2 * I}}) {
     *buf = p;
     p += max_rows * cols;
   }
@@ -455,9 +471,9 @@ Status Layer::Impl::allocate_backward() {
 // (d topk_weights pushed to the owners), dx rows = [dg | du] [W_gate; W_up] pushed into the
 // owners' combine slots, the weight gradients, then each owner sums its dx over k.
 const char* const kBackwardStageNames[kBackwardStages] = {
-    "inputs+metadata+schedule", "pull x, dy rows",     "g, u recompute",
-    "dhp = dy W_down",          "SwiGLU backward",     "dx = [dg|du] [Wg; Wu]",
-    "weight gradients",         "push dx, barrier, sum"};
+    "inputs+metadata+schedule", "pull x, dy rows",       "dhp = dy W_down",
+    "SwiGLU backward",          "dx = [dg|du] [Wg; Wu]", "weight gradients",
+    "push dx, barrier, sum"};
 
 Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
                              cudaStream_t stream, const cudaEvent_t* marks) {
@@ -467,6 +483,10 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
     return error_status(StatusCode::kInvalidArgument, "saved context of forward call ",
                         saved.generation, " is stale: forward has run since (call ", generation,
                         ")");
+  if (saved_generation != saved.generation)
+    return error_status(StatusCode::kNotImplemented,
+                        "backward after the unfused forward (a benchmark path): it does not keep "
+                        "the gate/up pre-activations the backward reads");
   const LayerConfig& c = config;
   const int64_t T = saved.num_tokens, H = c.hidden, I = c.intermediate;
   const int32_t E = c.experts_per_rank();
@@ -494,17 +514,6 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
 
   const kernels::ExpertSegments segments{E, max_rows, schedule_buffers.seg_offset,
                                          schedule_buffers.expert_rows};
-  kernels::ExpertLinearArgs l;
-  l.segments = segments;
-  l.k = H;
-  l.n = I;
-  l.rows = bw_x;
-  for (auto [w, out] : {std::pair{saved.weights.gate, bw_g}, {saved.weights.up, bw_u}}) {
-    l.w = w;
-    l.out = out;
-    EPFLOW_CUDA_RETURN(kernels::launch_expert_linear(l, stream));
-  }
-  EPFLOW_CUDA_RETURN(mark());
   kernels::ExpertDgradArgs dg;
   dg.segments = segments;
   dg.k = H;
@@ -524,8 +533,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   sb.experts = E;
   sb.hidden = H;
   sb.intermediate = I;
-  sb.g = bw_g;
-  sb.u = bw_u;
+  sb.gate_up = saved_gate_up;
   sb.dhp_h = bw_dhp;
   sb.dy_dz = bw_dy;
   sb.dgu = bw_dgu;

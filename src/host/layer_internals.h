@@ -24,7 +24,7 @@ struct StageEvents {
 
 // The backward's stages, in order; backward_with_stage_events records an event before the first
 // and after each one.
-inline constexpr int kBackwardStages = 8;
+inline constexpr int kBackwardStages = 7;
 extern const char* const kBackwardStageNames[kBackwardStages];
 
 struct LayerInternals {

@@ -56,18 +56,6 @@ inline cudaError_t current_device_sm_count(int32_t* sm_count) {
   return cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
 }
 
-// One of the FFN's GEMMs on its own, no epilogue: out = rows Wᵀ with W [experts, n, k] (the
-// nn.Linear layout). The forward's down GEMM is one (y = h W_downᵀ); the backward recomputes
-// g = x W_gateᵀ and u = x W_upᵀ with it.
-struct ExpertLinearArgs {
-  ExpertSegments segments;
-  int64_t k = 0, n = 0;                  // multiples of 64
-  const __nv_bfloat16* rows = nullptr;   // [max_rows, k]
-  const __nv_bfloat16* w = nullptr;      // [experts, n, k]
-  __nv_bfloat16* out = nullptr;          // [max_rows, n]
-};
-cudaError_t launch_expert_linear(const ExpertLinearArgs& args, cudaStream_t stream);
-
 // The backward's input gradients through one of the FFN's weights, on the same grouped rows:
 // out = rows W with W read N-major (wgmma's transposed B: no transposed copy of the weights).
 // The down GEMM's dh = dz W_down ([rows, H] x [H, I]: k = H, n = I, w0 = W_down) and the gate/up

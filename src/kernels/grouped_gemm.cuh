@@ -112,6 +112,35 @@ struct TileCoord {
 
 inline constexpr int kRowBoxM = 16;  // granularity of partial row loads (decode-size tiles)
 
+// Direct epilogues: thread (warp w, lane g*4+q) holds, per n8 block j, columns 8j+2q, +1 of its
+// rows (the wgmma accumulator layout). `pairs` holds its bf16 pairs of blocks 4i .. 4i+3; the
+// four lanes of the quad swap them so that lane q returns block 4i+q whole (8 columns, 16
+// bytes): a quad then writes 64 contiguous bytes of a row, whole 32-byte sectors, with a quarter
+// of the stores of writing pairs.
+__device__ __forceinline__ uint4 quad_gather_block(const uint32_t (&pairs)[4], int q) {
+  uint32_t out[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int want = q ^ r;  // the block lane q ^ r needs from this lane
+    const uint32_t send = want == 0   ? pairs[0]
+                          : want == 1 ? pairs[1]
+                          : want == 2 ? pairs[2]
+                                      : pairs[3];
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, send, r);
+    // `got` is lane (q ^ r)'s pair of block 4i + q: columns 2 (q ^ r), +1 of the block.
+    out[0] = (q ^ r) == 0 ? got : out[0];
+    out[1] = (q ^ r) == 1 ? got : out[1];
+    out[2] = (q ^ r) == 2 ? got : out[2];
+    out[3] = (q ^ r) == 3 ? got : out[3];
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+__device__ __forceinline__ uint32_t bf16_pair(float v0, float v1) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // Tile t of the walk: bands of kGroupM row tiles; inside a band, row tiles vary fastest, so the
 // CTAs running at once share weight tiles (same expert, same n) through L2.
 __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int32_t n_tiles,
@@ -317,6 +346,9 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
                                          4 * q) = __floats2bfloat162_rn(v0, v1);
     };
     if constexpr (kEpi == Epilogue::kSwiGLU) {
+      // A sink that keeps the pre-activations for the backward gets them first.
+      if constexpr (requires { sink.keep_gate_up(acc, c, wg, tid); })
+        sink.keep_gate_up(acc, c, wg, tid);
       constexpr int kUp = kBlockNMma / 2 / 8 * 4;  // register offset of the up half
       auto swiglu = [](float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; };
 #pragma unroll

@@ -94,8 +94,7 @@ struct SwigluBackwardArgs {
   const int64_t* seg_offset = nullptr;  // device [experts + 1]
   int32_t experts = 0;
   int64_t hidden = 0, intermediate = 0;
-  const __nv_bfloat16* g = nullptr;  // [max_rows, I]
-  const __nv_bfloat16* u = nullptr;  // [max_rows, I]
+  const __nv_bfloat16* gate_up = nullptr;  // [max_rows, 2I]: g | u, as the forward kept them
   __nv_bfloat16* dhp_h = nullptr;    // [max_rows, I]: dhp in, h out
   __nv_bfloat16* dy_dz = nullptr;    // [max_rows, H]: dy rows in, dz out
   __nv_bfloat16* dgu = nullptr;      // [max_rows, 2I] out

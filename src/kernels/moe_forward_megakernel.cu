@@ -62,6 +62,7 @@ struct alignas(1024) MegaSmem {
 struct RingSink {
   static constexpr bool kDirect = false;
   MegaSmem* s;
+  const ForwardMegakernelArgs* a;
   uint32_t* counter = nullptr;  // the current tile's counter
   int64_t task = 0;             // the current tile's task
   uint32_t uses = 0;
@@ -79,14 +80,52 @@ struct RingSink {
   __device__ __forceinline__ void skip(int, int tid) {
     if (tid == 0) ptx::signal_counter(counter);
   }
+  // Training: g and u of the tile's routed rows, bf16, into gate_up_out at the rows' pull-table
+  // positions (the backward reads them there; the ring slot is reused). NOTES: straight from
+  // the accumulators, 16 bytes per lane, before the SwiGLU staging: the stores drain while the
+  // warpgroup writes staging and runs the next mainloop.
+  __device__ __forceinline__ void keep_gate_up(const float* acc, const gemm::TileCoord& c, int wg,
+                                               int tid) {
+    if (!a->gate_up_out) return;
+    constexpr int kHalfCols = gemm::kBlockNMma / 2;  // gate columns, then as many up columns
+    constexpr int kUp = kHalfCols / 8 * 4;           // register offset of the up half
+    const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+    const int64_t I = a->intermediate;
+    const int32_t cols = static_cast<int32_t>(I - int64_t{c.n_tile} * kHalfCols);
+    __nv_bfloat16* dst[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = wg * 64 + warp * 16 + g + 8 * half;
+      dst[half] = row < c.rows ? a->gate_up_out + (int64_t{c.m_tile} * kBlockM + row) * 2 * I +
+                                     int64_t{c.n_tile} * kHalfCols
+                               : nullptr;
+    }
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {  // gate into [0, I), up into [I, 2I)
+#pragma unroll
+      for (int i = 0; i < kHalfCols / 32; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t pairs[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float* v = acc + part * kUp + 4 * (4 * i + r) + 2 * half;
+            pairs[r] = gemm::bf16_pair(v[0], v[1]);
+          }
+          const uint4 block = gemm::quad_gather_block(pairs, q);
+          const int col = 8 * (4 * i + q);
+          if (dst[half] && col < cols)
+            *reinterpret_cast<uint4*>(dst[half] + part * I + col) = block;
+        }
+      }
+    }
+  }
 };
 
 // Down tiles: push combine in the epilogue, straight from the accumulators into the owners'
 // (token, k) combine slots (local HBM or a peer over NVLink; no atomics: every slot has one
-// writer), skipping padding rows and columns past H. NOTES: a thread holds columns 8j + 2q, +1
-// of its two rows; the four lanes of a quad swap pairs so that each lane stores 16 bytes (8
-// columns) and a quad 64 contiguous bytes of a row: whole 32-byte sectors, a quarter of the
-// stores of writing bf16 pairs. The rows' destinations are read from the pull table before the
+// writer), skipping padding rows and columns past H, 16 bytes per lane (quad_gather_block).
+// The rows' destinations are read from the pull table before the
 // mainloop (prepare), so the epilogue starts without a dependent load. The tile's counter only
 // says its h rows were read (the MMAs are done), so the warpgroup signals before its stores:
 // the signal's release then has no stores of this tile to wait for (over NVLink, microseconds
@@ -116,30 +155,13 @@ struct PushCombineSink {
   }
   // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
   __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
-    pairs[half][j % 4] = *reinterpret_cast<const uint32_t*>(&v);
+    pairs[half][j % 4] = gemm::bf16_pair(v0, v1);
     if (j % 4 != 3 || half != 1) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // Lane q ends up with block 4i + q: from lane q ^ r, the pair at position q ^ r.
-      uint32_t out[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int want = q ^ r;  // the block lane q ^ r needs from this lane
-        const uint32_t send = want == 0 ? pairs[h][0]
-                              : want == 1 ? pairs[h][1]
-                              : want == 2 ? pairs[h][2]
-                                          : pairs[h][3];
-        const uint32_t got = __shfl_xor_sync(0xffffffffu, send, r);
-        // `got` is lane (q ^ r)'s pair of block 4i + q: columns 2 (q ^ r), +1 of the block.
-        out[0] = (q ^ r) == 0 ? got : out[0];
-        out[1] = (q ^ r) == 1 ? got : out[1];
-        out[2] = (q ^ r) == 2 ? got : out[2];
-        out[3] = (q ^ r) == 3 ? got : out[3];
-      }
+      const uint4 block = gemm::quad_gather_block(pairs[h], q);
       const int col = 8 * (j - 3 + q);
-      if (dst[h] && col < cols)
-        *reinterpret_cast<uint4*>(dst[h] + col * 2) = make_uint4(out[0], out[1], out[2], out[3]);
+      if (dst[h] && col < cols) *reinterpret_cast<uint4*>(dst[h] + col * 2) = block;
     }
   }
   __device__ __forceinline__ void begin(int, int tid) {
@@ -510,7 +532,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
   } else {
     ptx::warpgroup_reg_alloc<232>();
     const int tid = threadIdx.x % 128;
-    RingSink ring{&smem};
+    RingSink ring{&smem, &a};
     PushCombineSink push{&a};
     for (;;) {
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage

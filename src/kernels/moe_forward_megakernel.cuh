@@ -82,6 +82,8 @@ struct ForwardMegakernelArgs {
   int64_t timeout_ns = 0;
   MegakernelDiagnostic* diagnostic = nullptr;  // host-mapped
   MegakernelTraceRecord* trace = nullptr;      // optional: [grid][kTraceRecordsPerCta]
+  // Optional (training): [pull-table rows, 2I], each routed row's g | u (bf16) for the backward.
+  __nv_bfloat16* gate_up_out = nullptr;
 };
 
 // Bytes of counters (and per-CTA progress words) for a ring of ring_tiles tiles and sm_count

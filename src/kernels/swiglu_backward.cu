@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kRowMoverThreads) swiglu_backward_kernel(Swigl
                                                     int64_t{r.src_slot} * sizeof(float));
     float dot = 0.0f;
     for (int64_t i = lane * 8; i < I; i += 32 * 8) {
-      const Vec8 g = load8(a.g + row * I + i), u = load8(a.u + row * I + i);
+      const Vec8 g = load8(a.gate_up + row * 2 * I + i), u = load8(a.gate_up + row * 2 * I + I + i);
       const Vec8 dhp = load8(a.dhp_h + row * I + i);
       Vec8 h, dg, du;
 #pragma unroll

@@ -1,9 +1,12 @@
 // The GPU backward of the whole layer against the CPU reference backward (itself checked by
 // finite differences): dx, d topk_weights and the three weight gradients of every rank, at EP=1
 // and EP=2 (a thread per GPU), with imbalanced routing, empty experts, empty slots, T not a tile
-// multiple, T different on each rank and T = 0 on one rank; fp32 gradients written, then
-// accumulated (a second backward doubles them), and bf16 gradients; a repeated backward gives
-// bitwise the same gradients (no atomics, fixed summation orders). Outputs are poisoned first.
+// multiple, T different on each rank and T = 0 on one rank, a forward ring that wraps (the
+// backward reads the g | u the megakernel kept by pull-table row, not by ring slot) and an I that
+// ends in a partial gate/up tile; fp32 gradients written, then accumulated (a second backward
+// doubles them), and bf16 gradients; a repeated backward gives bitwise the same gradients (no
+// atomics, fixed summation orders), and so does forward + backward captured in a CUDA graph and
+// replayed. Outputs are poisoned first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "host/layer_internals.h"
 #include "layer_gpu_harness.h"
 
 namespace epflow {
@@ -28,6 +32,8 @@ struct GradOptions {
   GradDType dtype = GradDType::kFP32;
   int backward_calls = 1;  // > 1: accumulate_weight_grads, weight gradients summed over calls
   bool check_repeatable = false;  // run the (writing) backward again: bitwise the same outputs
+  // Then capture forward + backward in a CUDA graph and replay it: bitwise the same outputs.
+  bool check_graph = false;
 };
 
 // Every rank's gradients as floats, in reference::RankGrads' layout.
@@ -139,17 +145,42 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
         {&ddown, &out.d_down}};
     for (auto [buf, host] : outputs)
       if (Status s = buf->fetch(host); !s.ok()) return s;
-    if (options.check_repeatable) {
+    if (options.check_repeatable || options.check_graph) {
       b.accumulate_weight_grads = false;
-      if (Status s = layer->backward(b, saved, nullptr); !s.ok()) return s;
-      EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+      if (options.check_graph) {
+        // The first backward allocated the layer's buffers: the captured calls only enqueue.
+        for (auto [buf, host] : outputs)
+          EPFLOW_TRY_CUDA(cudaMemset(buf->ptr, 0xFF, buf->count * buf->elem));
+        cudaStream_t stream = nullptr;
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        EPFLOW_TRY_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        EPFLOW_TRY_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        SavedContext again;
+        Status s = layer->forward(f, stream, &again);
+        if (s.ok()) s = layer->backward(b, again, stream);
+        const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+        if (!s.ok()) return s;
+        EPFLOW_TRY_CUDA(end);
+        EPFLOW_TRY_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        EPFLOW_TRY_CUDA(cudaGraphLaunch(exec, stream));
+        EPFLOW_TRY_CUDA(cudaStreamSynchronize(stream));
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(stream);
+      } else {
+        if (Status s = layer->backward(b, saved, nullptr); !s.ok()) return s;
+        EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+      }
       for (auto [buf, host] : outputs) {
         std::vector<float> again;
         if (Status s = buf->fetch(&again); !s.ok()) return s;
         // Compared as bits: NaN == NaN would fail as floats, and -0 == 0 would pass.
         if (again.size() != host->size() ||
             std::memcmp(again.data(), host->data(), again.size() * sizeof(float)) != 0)
-          return Status(StatusCode::kInternal, "a repeated backward gave different outputs");
+          return Status(StatusCode::kInternal, options.check_graph
+                                                   ? "the CUDA graph gave different outputs"
+                                                   : "a repeated backward gave different outputs");
       }
     }
     layer.reset();
@@ -237,6 +268,76 @@ TEST(LayerBackwardGpu, Ep2DifferentTokenCountsAndAnEmptyRank) {
   GradOptions repeat;
   repeat.check_repeatable = true;
   run_and_check(c, testing::make_call(c, {200, 150}, Routing::kImbalanced, 8), repeat);
+}
+
+// The forward ring wraps many times (2-tile ring, 1-tile minibatches) and I = 320 ends in a
+// partial gate/up tile (64 of 128 columns): the g | u the megakernel keeps for the backward.
+TEST(LayerBackwardGpu, Ep2RingWrapAndIntermediateTail) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const int world = testing::device_count() >= 2 ? 2 : 1;
+  LayerConfig c = small_config(world, 700);
+  c.intermediate = 320;
+  c.ring_rows = 256;
+  c.minibatch_rows = 128;
+  const std::vector<int64_t> tokens =
+      world == 2 ? std::vector<int64_t>{700, 333} : std::vector<int64_t>{700};
+  run_and_check(c, testing::make_call(c, tokens, Routing::kImbalanced, 10));
+}
+
+TEST(LayerBackwardGpu, CapturedInCudaGraph) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const int world = testing::device_count() >= 2 ? 2 : 1;
+  LayerConfig c = small_config(world, 400);
+  c.ring_rows = 256;
+  c.minibatch_rows = 128;
+  const std::vector<int64_t> tokens =
+      world == 2 ? std::vector<int64_t>{400, 211} : std::vector<int64_t>{211};
+  GradOptions graph;
+  graph.check_graph = true;
+  run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
+}
+
+// The unfused forward (a benchmark path) keeps no g | u: its backward says so, launching nothing.
+TEST(LayerBackwardGpu, RefusesAContextOfTheUnfusedForward) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const LayerConfig c = small_config(1, 64);
+  const Status s = run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
+    std::unique_ptr<Layer> layer;
+    if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
+    if (Status e = LayerInternals::use_unfused_forward(*layer, true); !e.ok()) return e;
+    const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank();
+    Poisoned w, x, y, idx, tw, grads, dtw;
+    for (auto [buf, n, bytes] :
+         {std::tuple{&w, 3 * E * I * H, size_t{2}}, {&x, H, size_t{2}}, {&y, H, size_t{2}},
+          {&idx, c.top_k, size_t{4}}, {&tw, c.top_k, size_t{4}}, {&grads, 3 * E * I * H, size_t{4}},
+          {&dtw, c.top_k, size_t{4}}})
+      if (Status e = buf->create(n, bytes); !e.ok()) return e;
+    EPFLOW_TRY_CUDA(cudaMemset(idx.ptr, 0, 4));  // expert 0, then empty (-1) slots
+    auto* wp = static_cast<__nv_bfloat16*>(w.ptr);
+    ForwardArgs f;
+    f.num_tokens = 1;
+    f.x = static_cast<__nv_bfloat16*>(x.ptr);
+    f.topk_idx = static_cast<int32_t*>(idx.ptr);
+    f.topk_weights = static_cast<float*>(tw.ptr);
+    f.weights = {wp, wp + E * I * H, wp + 2 * E * I * H};
+    f.y = static_cast<__nv_bfloat16*>(y.ptr);
+    SavedContext saved;
+    if (Status e = layer->forward(f, nullptr, &saved); !e.ok()) return e;
+    EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+    auto* gp = static_cast<float*>(grads.ptr);
+    BackwardArgs b;
+    b.dy = f.x;
+    b.dx = f.y;
+    b.d_topk_weights = static_cast<float*>(dtw.ptr);
+    b.d_gate = gp;
+    b.d_up = gp + E * I * H;
+    b.d_down = gp + 2 * E * I * H;
+    const Status refused = layer->backward(b, saved, nullptr);
+    if (refused.code() != StatusCode::kNotImplemented)
+      return Status(StatusCode::kInternal, "expected NotImplemented, got " + refused.to_string());
+    return Status::ok_status();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 }  // namespace
