@@ -544,6 +544,7 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   c.comm_sms = v.comm_sms;
   c.minibatch_rows = v.minibatch_rows;
   c.ring_rows = v.ring_rows;
+  c.with_backward = with_backward;
   std::unique_ptr<Layer> layer;
   EPFLOW_RETURN_IF_ERROR(Layer::create(c, comm, &layer));
   if (v.unfused) EPFLOW_RETURN_IF_ERROR(LayerInternals::use_unfused_forward(*layer, true));

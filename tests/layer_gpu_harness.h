@@ -133,7 +133,7 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
         cudaGraph_t graph = nullptr;
         cudaGraphExec_t exec = nullptr;
         EPFLOW_TRY_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        const Status s = layer->forward(a, stream, &saved);
+        const Status s = layer->forward(a, stream, c.with_backward ? &saved : nullptr);
         EPFLOW_TRY_CUDA(cudaStreamEndCapture(stream, &graph));
         if (!s.ok()) return s;
         EPFLOW_TRY_CUDA(cudaGraphInstantiate(&exec, graph, 0));
@@ -148,7 +148,8 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       std::vector<__nv_bfloat16> yb(T * H), again(options.repeat > 1 ? T * H : 0);
       for (int r = 0; !options.cuda_graph && r < options.repeat; ++r) {
         EPFLOW_TRY_CUDA(cudaMemset(y, 0xFF, T_max * H * 2));  // bf16 0xFFFF is NaN: unwritten shows
-        if (Status s = layer->forward(a, stream, &saved); !s.ok()) return s;
+        if (Status s = layer->forward(a, stream, c.with_backward ? &saved : nullptr); !s.ok())
+          return s;
         if (Status s = sync(); !s.ok()) return s;
         EPFLOW_TRY_CUDA(cudaMemcpy(r == 0 ? yb.data() : again.data(), y, T * H * 2,
                                    cudaMemcpyDeviceToHost));

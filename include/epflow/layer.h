@@ -31,11 +31,12 @@ struct ForwardArgs {
   __nv_bfloat16* y = nullptr;             // [T, H] out
 };
 
-// What forward() keeps for backward(): only references to the caller's inputs (x, topk_idx,
-// topk_weights, weights), which must stay unchanged until backward() has been enqueued; the
-// layer keeps no activations (saved_bytes = 0): backward rebuilds the schedule, re-pulls x and
-// recomputes the gate/up GEMM (docs/ARCHITECTURE.md, "Saved context"). A context is valid until
-// the next forward() on the same Layer.
+// What forward() keeps for backward() (layers created with LayerConfig::with_backward):
+// references to the caller's inputs (x, topk_idx, topk_weights, weights), which must stay
+// unchanged until backward() has been enqueued; the layer itself keeps every routed row's gate/up
+// pre-activations g | u (MemoryReport::saved_bytes); backward rebuilds the schedule and re-pulls x
+// (docs/ARCHITECTURE.md, "Saved context"). A context is valid until the next forward() on the
+// same Layer.
 struct SavedContext {
   uint64_t generation = 0;  // 0: never filled
   int64_t num_tokens = 0;
@@ -64,8 +65,9 @@ struct MemoryReport {
   int64_t symmetric_bytes = 0;   // NCCL symmetric windows (peers read or write them)
   int64_t ring_bytes = 0;        // the megakernel's ring (routed x rows and SwiGLU outputs)
   int64_t schedule_bytes = 0;    // pull table, counts, counters
-  int64_t saved_bytes = 0;       // activations kept for backward (none: backward recomputes)
-  int64_t backward_bytes = 0;    // the backward's row buffers (allocated by its first call)
+  int64_t saved_bytes = 0;       // activations kept for backward: g | u of every routable row
+  int64_t backward_bytes = 0;    // the backward's row buffers
+  // (both allocated by create() with LayerConfig::with_backward, 0 without)
   int64_t total() const {
     return symmetric_bytes + ring_bytes + schedule_bytes + saved_bytes + backward_bytes;
   }

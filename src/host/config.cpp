@@ -22,7 +22,7 @@ std::string LayerConfig::to_string() const {
   std::ostringstream os;
   os << "H=" << hidden << " I=" << intermediate << " experts=" << num_experts << " top_k=" << top_k
      << " ep=" << ep_rank << "/" << ep_size << " max_tokens=" << max_tokens_per_rank
-     << " dtype=" << epflow::to_string(dtype);
+     << " dtype=" << epflow::to_string(dtype) << (with_backward ? " with_backward" : "");
   return os.str();
 }
 

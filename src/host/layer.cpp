@@ -56,6 +56,8 @@ Status validate(const LayerConfig& c, const ForwardArgs& a) {
 
 Status validate(const LayerConfig& c, const SavedContext& saved, const BackwardArgs& a) {
   EPFLOW_RETURN_IF_ERROR(validate(c));
+  EPFLOW_RETURN_IF_ERROR(require(c.with_backward,
+                                 "backward() needs a layer created with LayerConfig::with_backward"));
   EPFLOW_RETURN_IF_ERROR(
       require(saved.generation != 0, "saved context was never filled by forward()"));
   if (saved.num_tokens > 0) {
@@ -117,13 +119,13 @@ struct Layer::Impl {
   __nv_bfloat16* routed_y = nullptr;
 
   // What a forward that fills a SavedContext keeps for the backward: every routed row's g | u
-  // ([max_rows, 2I], pull-table order), written by the megakernel; allocated by the first such
-  // forward. saved_generation: the forward call whose g | u it holds (0: none).
+  // ([max_rows, 2I], pull-table order), written by the megakernel; allocated by create() with
+  // LayerConfig::with_backward. saved_generation: the forward call whose g | u it holds (0: none).
   __nv_bfloat16* saved_gate_up = nullptr;
   uint64_t saved_generation = 0;
 
   // The backward's row buffers over [max_rows]: x rows, dy rows (then dz), dx rows ([H] each);
-  // dhp (then h) ([I]); [dg | du] ([2I]). Allocated by the first backward.
+  // dhp (then h) ([I]); [dg | du] ([2I]). Allocated by create() with LayerConfig::with_backward.
   void* backward_buffers = nullptr;
   __nv_bfloat16 *bw_x = nullptr, *bw_dy = nullptr, *bw_dx = nullptr;
   __nv_bfloat16 *bw_dhp = nullptr, *bw_dgu = nullptr;
@@ -274,14 +276,7 @@ Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cuda
   m.rank = c.ep_rank;
   m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
   m.diagnostic = diagnostic_device;
-  if (keep_gate_up) {
-    if (!saved_gate_up) {
-      const size_t bytes = sizeof(__nv_bfloat16) * max_rows * 2 * c.intermediate;
-      EPFLOW_CUDA_RETURN(cudaMalloc(&saved_gate_up, bytes));
-      memory.saved_bytes = static_cast<int64_t>(bytes);
-    }
-    m.gate_up_out = saved_gate_up;
-  }
+  if (keep_gate_up) m.gate_up_out = saved_gate_up;
   if (trace) {
     EPFLOW_CUDA_RETURN(cudaMemsetAsync(trace, 0xff, trace_bytes(), stream));  // task -1: unused
     m.trace = trace;
@@ -450,9 +445,12 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
   return Status::ok_status();
 }
 
+// LayerConfig::with_backward: the g | u the forward keeps and the backward's row buffers.
 Status Layer::Impl::allocate_backward() {
-  if (backward_buffers) return Status::ok_status();
   const int64_t H = config.hidden, I = config.intermediate;
+  const size_t saved_bytes = sizeof(__nv_bfloat16) * max_rows * 2 * I;
+  EPFLOW_CUDA_RETURN(cudaMalloc(&saved_gate_up, saved_bytes));
+  memory.saved_bytes = static_cast<int64_t>(saved_bytes);
   const size_t row_elems = static_cast<size_t>(3 * H + 3 * I);
   const size_t bytes = sizeof(__nv_bfloat16) * max_rows * row_elems;
   EPFLOW_CUDA_RETURN(cudaMalloc(&backward_buffers, bytes));
@@ -491,7 +489,6 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   const int64_t T = saved.num_tokens, H = c.hidden, I = c.intermediate;
   const int32_t E = c.experts_per_rank();
   EPFLOW_RETURN_IF_ERROR(earlier_failure());
-  EPFLOW_RETURN_IF_ERROR(allocate_backward());
   EPFLOW_CUDA_RETURN(mark());
   char* mine = static_cast<char*>(window.local());
   // Before the first barrier (after it, peers read and write this window): the router weights
@@ -622,6 +619,7 @@ Status Layer::create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr
       cudaDeviceGetAttribute(&impl->sm_count, cudaDevAttrMultiProcessorCount, device));
   EPFLOW_RETURN_IF_ERROR(runtime::make_plan(config, impl->sm_count, &impl->plan));
   EPFLOW_RETURN_IF_ERROR(impl->allocate());
+  if (config.with_backward) EPFLOW_RETURN_IF_ERROR(impl->allocate_backward());
   out->reset(new Layer(std::move(impl)));
   return Status::ok_status();
 }
@@ -642,6 +640,10 @@ Status with_device_failure(const Layer& layer, Status s) {
 
 Status Layer::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, args));
+  if (saved && !impl_->config.with_backward)
+    return error_status(StatusCode::kInvalidArgument,
+                        "forward() with a SavedContext needs a layer created with "
+                        "LayerConfig::with_backward (it keeps g | u for the backward)");
   return with_device_failure(*this, impl_->forward(args, stream, saved, nullptr));
 }
 

@@ -128,8 +128,16 @@ TEST(ForwardArgsValidate, RejectsMissingPointersButAllowsZeroTokens) {
 }
 
 TEST(BackwardArgsValidate, RejectsUnfilledContext) {
-  const LayerConfig c = deepseek_v3_ep2();
+  LayerConfig c = deepseek_v3_ep2();
+  c.with_backward = true;
   expect_invalid(validate(c, SavedContext{}, BackwardArgs{}), "never filled");
+}
+
+TEST(BackwardArgsValidate, NeedsALayerCreatedForTheBackward) {
+  const LayerConfig c = deepseek_v3_ep2();  // with_backward = false
+  SavedContext saved;
+  saved.generation = 1;
+  expect_invalid(validate(c, saved, BackwardArgs{}), "with_backward");
 }
 
 TEST(NcclVersion, HeadersMatchLoadedLibrary) {

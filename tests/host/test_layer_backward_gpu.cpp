@@ -239,6 +239,7 @@ LayerConfig small_config(int world, int64_t max_tokens) {
   c.top_k = 4;
   c.ep_size = world;
   c.max_tokens_per_rank = max_tokens;
+  c.with_backward = true;
   return c;
 }
 

@@ -123,6 +123,7 @@ TEST(LayerGpu, CapturedInCudaGraph) {
   LayerConfig c = small_config(world, 600);
   c.ring_rows = 256;  // wraps too
   c.minibatch_rows = 128;
+  c.with_backward = true;  // the captured forward fills a SavedContext: it keeps g | u too
   testing::RunOptions graph;
   graph.cuda_graph = true;
   run_and_check(c, mixed_calls(c, world, 40), 1 << 30, 5, graph);
