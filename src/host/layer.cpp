@@ -129,6 +129,11 @@ struct Layer::Impl {
   void* backward_buffers = nullptr;
   __nv_bfloat16 *bw_x = nullptr, *bw_dy = nullptr, *bw_dx = nullptr;
   __nv_bfloat16 *bw_dhp = nullptr, *bw_dgu = nullptr;
+  // The backward moves x rows in and dx rows out on a second stream, on kSideSms SMs that its
+  // GEMMs leave free, while the GEMMs run (fork and join through events: graph-capturable).
+  static constexpr int32_t kSideSms = 8;
+  cudaStream_t side = nullptr;
+  cudaEvent_t scheduled = nullptr, x_pulled = nullptr, dx_ready = nullptr, dx_pushed = nullptr;
 
   uint64_t generation = 0;
   MemoryReport memory;
@@ -140,6 +145,9 @@ struct Layer::Impl {
     if (unfused_buffers) cudaFree(unfused_buffers);
     if (backward_buffers) cudaFree(backward_buffers);
     if (saved_gate_up) cudaFree(saved_gate_up);
+    for (cudaEvent_t e : {scheduled, x_pulled, dx_ready, dx_pushed})
+      if (e) cudaEventDestroy(e);
+    if (side) cudaStreamDestroy(side);
     window.destroy();
   }
 
@@ -154,10 +162,17 @@ struct Layer::Impl {
   Status barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
                          __nv_bfloat16* out, cudaStream_t stream);
   Status earlier_failure() const;
-  // Grid of the warp-per-row kernels (dispatch, combine, SwiGLU backward): a few waves of CTAs.
-  int32_t row_mover_blocks() const { return 4 * sm_count; }
-  Status pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream);
-  Status push_rows(const __nv_bfloat16* rows, cudaStream_t stream);
+  // Grid of the warp-per-row kernels (dispatch, combine, SwiGLU backward): a few waves of CTAs
+  // with the GPU to themselves, or one big CTA on each of the kSideSms SMs the backward's GEMMs
+  // leave free.
+  struct RowMovers {
+    int32_t blocks, threads;
+  };
+  RowMovers whole_gpu() const { return {4 * sm_count, kernels::kRowMoverThreads}; }
+  static RowMovers beside_gemms() { return {kSideSms, kernels::kRowMoverMaxThreads}; }
+  Status pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream, RowMovers movers,
+                   bool zero_padding_rows = false);
+  Status push_rows(const __nv_bfloat16* rows, cudaStream_t stream, RowMovers movers);
   Status run_megakernel(const ForwardArgs& args, bool keep_gate_up, cudaStream_t stream);
   Status run_unfused(const ForwardArgs& args, cudaStream_t stream, const StageEvents* events);
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
@@ -291,7 +306,7 @@ Status Layer::Impl::run_unfused(const ForwardArgs& a, cudaStream_t stream,
     return events ? cudaEventRecord(events->*which, stream) : cudaSuccess;
   };
   const LayerConfig& c = config;
-  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, routed_x, stream));
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, routed_x, stream, whole_gpu()));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::dispatch_done));
 
   kernels::ExpertFfnArgs f;
@@ -310,12 +325,13 @@ Status Layer::Impl::run_unfused(const ForwardArgs& a, cudaStream_t stream,
   EPFLOW_CUDA_RETURN(kernels::launch_expert_ffn(f, stream));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::ffn_done));
 
-  return push_rows(routed_y, stream);
+  return push_rows(routed_y, stream, whole_gpu());
 }
 
 // Pull dispatch: every routed row of the pull table from its source rank's window region at
 // `offset` ([T_max, H]: x, or the backward's dy) into `out` [max_rows, H].
-Status Layer::Impl::pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream) {
+Status Layer::Impl::pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream,
+                              RowMovers movers, bool zero_padding_rows) {
   kernels::DispatchArgs d;
   d.peers = peers;
   d.x_offset = offset;
@@ -325,12 +341,14 @@ Status Layer::Impl::pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t st
   d.hidden = config.hidden;
   d.top_k = config.top_k;
   d.routed_x = out;
-  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, row_mover_blocks(), stream));
+  d.zero_padding_rows = zero_padding_rows;
+  EPFLOW_CUDA_RETURN(kernels::launch_pull_dispatch(d, movers.blocks, stream, movers.threads));
   return Status::ok_status();
 }
 
 // Push combine: every routed row of `rows` [max_rows, H] into its owner's (token, k) slot.
-Status Layer::Impl::push_rows(const __nv_bfloat16* rows, cudaStream_t stream) {
+Status Layer::Impl::push_rows(const __nv_bfloat16* rows, cudaStream_t stream,
+                              RowMovers movers) {
   kernels::CombineArgs cb;
   cb.peers = peers;
   cb.combine_offset = layout.combine;
@@ -339,7 +357,7 @@ Status Layer::Impl::push_rows(const __nv_bfloat16* rows, cudaStream_t stream) {
   cb.experts = config.experts_per_rank();
   cb.hidden = config.hidden;
   cb.routed_y = rows;
-  EPFLOW_CUDA_RETURN(kernels::launch_push_combine(cb, row_mover_blocks(), stream));
+  EPFLOW_CUDA_RETURN(kernels::launch_push_combine(cb, movers.blocks, stream, movers.threads));
   return Status::ok_status();
 }
 
@@ -461,6 +479,9 @@ Status Layer::Impl::allocate_backward() {
     p += max_rows * cols;
   }
   memory.backward_bytes = static_cast<int64_t>(bytes);
+  EPFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  for (cudaEvent_t* e : {&scheduled, &x_pulled, &dx_ready, &dx_pushed})
+    EPFLOW_CUDA_RETURN(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   return Status::ok_status();
 }
 
@@ -469,9 +490,13 @@ Status Layer::Impl::allocate_backward() {
 // (d topk_weights pushed to the owners), dx rows = [dg | du] [W_gate; W_up] pushed into the
 // owners' combine slots, the weight gradients, then each owner sums its dx over k.
 const char* const kBackwardStageNames[kBackwardStages] = {
-    "inputs+metadata+schedule", "pull x, dy rows",       "dhp = dy W_down",
-    "SwiGLU backward",          "dx = [dg|du] [Wg; Wu]", "weight gradients",
-    "push dx, barrier, sum"};
+    "inputs+metadata+schedule",
+    "pull dy rows",
+    "dhp = dy W_down",
+    "SwiGLU backward",
+    "dx = [dg|du] [Wg; Wu]",
+    "weight gradients (x pull, dx push beside)",
+    "join, barrier, sum"};
 
 Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
                              cudaStream_t stream, const cudaEvent_t* marks) {
@@ -505,9 +530,17 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   EPFLOW_RETURN_IF_ERROR(exchange_and_schedule(T, saved.x, saved.topk_idx, stream));
   EPFLOW_CUDA_RETURN(mark());
 
-  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, stream));
-  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream));
+  // dy rows first (the first GEMM reads them); x rows, needed only by the last two weight
+  // gradients, on the side stream beside the GEMMs. NOTES: the GEMMs run on sm_count - kSideSms
+  // CTAs and the side kernels on kSideSms CTAs of a whole SM's threads, so both are resident at
+  // once whichever starts first (a GEMM CTA fills an SM's register file).
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream, whole_gpu()));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(scheduled, stream));
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(side, scheduled, 0));
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, side, beside_gemms(), true));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(x_pulled, side));
   EPFLOW_CUDA_RETURN(mark());
+  const int32_t gemm_ctas = sm_count - kSideSms;
 
   const kernels::ExpertSegments segments{E, max_rows, schedule_buffers.seg_offset,
                                          schedule_buffers.expert_rows};
@@ -518,6 +551,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   dg.rows = bw_dy;
   dg.w0 = saved.weights.down;
   dg.out = bw_dhp;
+  dg.max_ctas = gemm_ctas;
   EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
   EPFLOW_CUDA_RETURN(mark());
 
@@ -534,8 +568,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   sb.dhp_h = bw_dhp;
   sb.dy_dz = bw_dy;
   sb.dgu = bw_dgu;
-  sb.x_rows = bw_x;
-  EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, row_mover_blocks(), stream));
+  EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, 4 * gemm_ctas, stream));
   EPFLOW_CUDA_RETURN(mark());
 
   dg.k = 2 * I;
@@ -548,11 +581,18 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
   EPFLOW_CUDA_RETURN(mark());
 
+  // dx rows into the owners' combine slots on the side stream, beside the weight gradients.
+  EPFLOW_CUDA_RETURN(cudaEventRecord(dx_ready, stream));
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(side, dx_ready, 0));
+  EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, side, beside_gemms()));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(dx_pushed, side));
+
   // dW_down = dzᵀ h, dW_gate = dgᵀ x, dW_up = duᵀ x.
   kernels::ExpertWgradArgs wg;
   wg.segments = segments;
   wg.fp32_out = a.grad_dtype == GradDType::kFP32;
   wg.accumulate = a.accumulate_weight_grads;
+  wg.max_ctas = gemm_ctas;
   struct Wgrad {
     const __nv_bfloat16* lhs;
     int64_t m, lhs_ld;
@@ -560,9 +600,12 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
     int64_t n;
     void* dw;
   };
-  for (const Wgrad& w : {Wgrad{bw_dy, H, H, bw_dhp, I, a.d_down},
-                         Wgrad{bw_dgu, I, 2 * I, bw_x, H, a.d_gate},
-                         Wgrad{bw_dgu + I, I, 2 * I, bw_x, H, a.d_up}}) {
+  const Wgrad wgrads[3] = {Wgrad{bw_dy, H, H, bw_dhp, I, a.d_down},
+                           Wgrad{bw_dgu, I, 2 * I, bw_x, H, a.d_gate},
+                           Wgrad{bw_dgu + I, I, 2 * I, bw_x, H, a.d_up}};
+  for (int i = 0; i < 3; ++i) {
+    const Wgrad& w = wgrads[i];
+    if (i == 1) EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, x_pulled, 0));  // x rows pulled
     wg.lhs = w.lhs;
     wg.m = w.m;
     wg.lhs_ld = w.lhs_ld;
@@ -573,7 +616,8 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   }
   EPFLOW_CUDA_RETURN(mark());
 
-  EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, stream));
+  // Join: every dx row is pushed (and the x rows pulled) before the barrier says so to peers.
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, dx_pushed, 0));
   EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, saved.topk_idx, nullptr, a.dx, stream));
   if (T > 0)
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(a.d_topk_weights, mine + layout.d_weights,

@@ -71,6 +71,7 @@ struct ExpertDgradArgs {
   const __nv_bfloat16* w0 = nullptr;    // [experts, k0, n]
   const __nv_bfloat16* w1 = nullptr;    // [experts, k - k0, n]; unused when k0 is 0 or k
   __nv_bfloat16* out = nullptr;         // [max_rows, n]
+  int32_t max_ctas = 0;  // 0: one CTA per SM; fewer leaves SMs to a kernel running beside it
 };
 cudaError_t launch_expert_dgrad(const ExpertDgradArgs& args, cudaStream_t stream);
 
@@ -89,6 +90,7 @@ struct ExpertWgradArgs {
   void* dw = nullptr;                   // [experts, m, n], bf16 or (fp32_out) float
   bool fp32_out = false;
   bool accumulate = false;              // dw += lhsᵀ rhs instead of dw = lhsᵀ rhs
+  int32_t max_ctas = 0;  // 0: one CTA per SM; fewer leaves SMs to a kernel running beside it
 };
 cudaError_t launch_expert_wgrad(const ExpertWgradArgs& args, cudaStream_t stream);
 

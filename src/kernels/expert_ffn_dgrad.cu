@@ -17,6 +17,7 @@ cudaError_t launch_expert_dgrad(const ExpertDgradArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   int32_t sm_count = 0;
   if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
+  if (a.max_ctas > 0 && a.max_ctas < sm_count) sm_count = a.max_ctas;
   constexpr int kStages = 3;  // 3 x 48 KB of tiles + 64 KB of output staging: 208 KB of 227
   CUtensorMap map_w0, map_w1;
   if (!gemm::encode_weight_map_n_major(a.w0, seg.experts, k0, a.n, &map_w0) ||

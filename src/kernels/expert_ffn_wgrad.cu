@@ -170,6 +170,7 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
   if (!seg.seg_offset || !a.lhs || !a.rhs || !a.dw) return cudaErrorInvalidValue;
   int32_t sm_count = 0;
   if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
+  if (a.max_ctas > 0 && a.max_ctas < sm_count) sm_count = a.max_ctas;
   // lhs and rhs as [max_rows, m | n] with their row strides, in boxes of 64 columns x 64 rows;
   // dw as [E, m, n] in boxes of 64 x 64 (the staging's layout; bf16 overwrite only). A max_rows
   // of 0 still maps one (never read) row.

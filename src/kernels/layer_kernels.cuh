@@ -53,8 +53,14 @@ struct BarrierArgs {
 };
 cudaError_t launch_rank_barrier(const BarrierArgs& args, cudaStream_t stream);
 
+// Threads of a row-moving CTA: kRowMoverThreads when the kernel has the GPU to itself (a few
+// waves of CTAs), up to kRowMoverMaxThreads when it runs beside a GEMM on a few SMs it leaves
+// free (one big CTA per SM, so that the CTAs land on as many SMs as there are CTAs).
+inline constexpr int kRowMoverThreads = 256;
+inline constexpr int kRowMoverMaxThreads = 1024;
+
 // Pull dispatch: routed_x[row] = x of row's (src_rank, token) read from src_rank's window.
-// Padding rows and rows at or past seg_offset[experts] are not touched.
+// Rows at or past seg_offset[experts] are not touched, padding rows only with zero_padding_rows.
 struct DispatchArgs {
   PeerWindows peers;
   size_t x_offset = 0;
@@ -64,8 +70,12 @@ struct DispatchArgs {
   int64_t hidden = 0;
   int32_t top_k = 0;
   __nv_bfloat16* routed_x = nullptr;  // [max_rows, H]
+  // The backward's x rows: zero the padding rows (the weight-gradient GEMMs sum over them).
+  bool zero_padding_rows = false;
 };
-cudaError_t launch_pull_dispatch(const DispatchArgs& args, int32_t blocks, cudaStream_t stream);
+// blocks x threads (a multiple of 32, at most kRowMoverMaxThreads): warp_row_copy.cuh.
+cudaError_t launch_pull_dispatch(const DispatchArgs& args, int32_t blocks, cudaStream_t stream,
+                                 int32_t threads = kRowMoverThreads);
 
 // Push combine: expert output row -> the owner's combine slot (token * K + k) in its window.
 struct CombineArgs {
@@ -77,7 +87,8 @@ struct CombineArgs {
   int64_t hidden = 0;
   const __nv_bfloat16* routed_y = nullptr;  // [max_rows, H]
 };
-cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStream_t stream);
+cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStream_t stream,
+                                int32_t threads = kRowMoverThreads);
 
 // Backward of the SwiGLU and of the router weight, routed row by routed row (a warp per row of
 // the pull table). With w the owner's topk_weights[src_slot] (read from its window), g and u the
@@ -85,7 +96,7 @@ cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStr
 //   h = silu(g) u, rounded to bf16 as the forward stored it; d w = <dhp, h>, written to the
 //   owner's d_weights[src_slot] (its window); dh = w dhp; dg = dh u silu'(g); du = dh silu(g)
 //   into dgu = [dg | du]; h in place of dhp; dz = w dy in place of the dy rows.
-// Padding rows of dgu, h, dz and x_rows are zeroed: the weight-gradient GEMMs sum over them.
+// Padding rows of dgu, h and dz are zeroed: the weight-gradient GEMMs sum over them.
 struct SwigluBackwardArgs {
   PeerWindows peers;
   size_t weights_offset = 0;    // WindowLayout::topk_weights
@@ -98,7 +109,6 @@ struct SwigluBackwardArgs {
   __nv_bfloat16* dhp_h = nullptr;    // [max_rows, I]: dhp in, h out
   __nv_bfloat16* dy_dz = nullptr;    // [max_rows, H]: dy rows in, dz out
   __nv_bfloat16* dgu = nullptr;      // [max_rows, 2I] out
-  __nv_bfloat16* x_rows = nullptr;   // [max_rows, H]: only padding rows written (zeros)
 };
 cudaError_t launch_swiglu_backward(const SwigluBackwardArgs& args, int32_t blocks,
                                    cudaStream_t stream);

@@ -7,7 +7,7 @@ namespace {
 
 // NOTES: each routed row goes to its own (token, k) slot on the owner: no two writers share a
 // slot, so there are no atomics and the result does not depend on timing.
-__global__ void __launch_bounds__(kRowMoverThreads) push_combine_kernel(CombineArgs a) {
+__global__ void __launch_bounds__(kRowMoverMaxThreads) push_combine_kernel(CombineArgs a) {
   const int64_t vecs = a.hidden * 2 / 16;
   for_each_routed_row(a.table, a.seg_offset, a.experts,
                       [&](int64_t row, const sched::PullRow& r, int lane) {
@@ -22,8 +22,9 @@ __global__ void __launch_bounds__(kRowMoverThreads) push_combine_kernel(CombineA
 
 }  // namespace
 
-cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStream_t stream) {
-  push_combine_kernel<<<blocks, kRowMoverThreads, 0, stream>>>(args);
+cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStream_t stream,
+                                int32_t threads) {
+  push_combine_kernel<<<blocks, threads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 

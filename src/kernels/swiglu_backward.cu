@@ -52,7 +52,6 @@ __global__ void __launch_bounds__(kRowMoverThreads) swiglu_backward_kernel(Swigl
       zero_row(a.dgu + row * 2 * I, 2 * I, lane);
       zero_row(a.dhp_h + row * I, I, lane);
       zero_row(a.dy_dz + row * H, H, lane);
-      zero_row(a.x_rows + row * H, H, lane);
       continue;
     }
     const float w = *reinterpret_cast<const float*>(a.peers.base[r.src_rank] + a.weights_offset +

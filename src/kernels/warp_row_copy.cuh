@@ -6,27 +6,36 @@
 #include <cstdint>
 
 #include "common/routing_schedule.h"
+#include "kernels/layer_kernels.cuh"
 
 namespace epflow::kernels {
 
-inline constexpr int kRowMoverThreads = 256;
+// Calls move(row, entry, lane) for every non-padding row below seg_offset[experts] and
+// pad(row, lane) for every padding row, a warp per row. NOTES: warps take rows in table order,
+// so the rows in flight at one moment are neighbours in the table, which the schedule
+// interleaved across source ranks: the NVLink traffic of one moment spreads over all peers.
+template <typename Move, typename Pad>
+__device__ __forceinline__ void for_each_table_row(const sched::PullRow* table,
+                                                   const int64_t* seg_offset, int32_t experts,
+                                                   Move move, Pad pad) {
+  const int warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t total = seg_offset[experts];
+  for (int64_t row = int64_t{blockIdx.x} * warps + threadIdx.x / 32; row < total;
+       row += int64_t{gridDim.x} * warps) {
+    const sched::PullRow r = table[row];
+    if (r.src_rank != sched::kPaddingRow)
+      move(row, r, lane);
+    else
+      pad(row, lane);
+  }
+}
 
-// Calls move(row, entry, lane) for every non-padding row below seg_offset[experts], a warp per
-// row. NOTES: warps take rows in table order, so the rows in flight at one moment are neighbours
-// in the table, which the schedule interleaved across source ranks: the NVLink traffic of one
-// moment spreads over all peers.
 template <typename Move>
 __device__ __forceinline__ void for_each_routed_row(const sched::PullRow* table,
                                                     const int64_t* seg_offset, int32_t experts,
                                                     Move move) {
-  constexpr int kWarps = kRowMoverThreads / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t total = seg_offset[experts];
-  for (int64_t row = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; row < total;
-       row += int64_t{gridDim.x} * kWarps) {
-    const sched::PullRow r = table[row];
-    if (r.src_rank != sched::kPaddingRow) move(row, r, lane);
-  }
+  for_each_table_row(table, seg_offset, experts, move, [](int64_t, int) {});
 }
 
 // A row as batches of kUnroll 16-byte vectors per lane: all loads of a batch are issued before
