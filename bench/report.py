@@ -129,19 +129,25 @@ def series_key(system, direction):
 
 def render_comparison(runs):
     """Side-by-side µs and TFLOP/s per GPU of every (system, direction) per (preset, tokens, EP),
-    and EPFlow's forward speedup over the fastest baseline forward of the same row."""
+    and EPFlow's forward speedup over the fastest baseline forward of the same row; with EPFlow
+    backward runs, its speedup over the fastest baseline backward and its TFLOP/s (twice the
+    forward FLOPs) against the cuBLAS dense yardstick of the same row's EPFlow forward run."""
     runs = [r for r in runs if r["system"] != SWEEP]
     series = sorted({(r["system"], r["direction"]) for r in runs}, key=lambda s: series_key(*s))
     presets = list(dict.fromkeys(r["preset"] for r in runs))
     unfused = ("epflow-unfused", "fwd") in series
+    backward = ("epflow", "bwd") in series
     rows = {}
     for r in runs:
         rows.setdefault((r["preset"], r["tokens"], r["ep"]), {})[(r["system"], r["direction"])] = r
     print("| preset | tokens/rank | EP | "
           + " | ".join(f"{s} {d} µs (TFLOP/s/GPU)" for s, d in series)
           + " | EPFlow fwd speedup vs best baseline fwd"
-          + (" | EPFlow fused vs unfused" if unfused else "") + " | device | commit |")
-    print("|---|---|---|" + "---|" * len(series) + "---|" * (1 + unfused) + "---|---|")
+          + (" | EPFlow fused vs unfused" if unfused else "")
+          + (" | EPFlow bwd speedup vs best baseline bwd | EPFlow bwd / cuBLAS dense" if backward
+             else "") + " | device | commit |")
+    print("|---|---|---|" + "---|" * len(series) + "---|" * (1 + unfused + 2 * backward)
+          + "---|---|")
     for preset, tokens, ep in sorted(rows, key=lambda k: (presets.index(k[0]), -k[2], k[1])):
         row = rows[(preset, tokens, ep)]
         cells = []
@@ -160,6 +166,15 @@ def render_comparison(runs):
         if unfused:
             f, u = row.get(("epflow", "fwd")), row.get(("epflow-unfused", "fwd"))
             speedup += " | " + (f"{u['layer_us'] / f['layer_us']:.2f}x" if f and u else "n/a")
+        if backward:
+            b, f = row.get(("epflow", "bwd")), row.get(("epflow", "fwd"))
+            base = [r for (s, d), r in row.items() if is_baseline(s) and d == "bwd"]
+            best = min(base, key=lambda r: r["layer_us"]) if base else None
+            speedup += " | " + (f"{best['layer_us'] / b['layer_us']:.2f}x (vs {best['system']})"
+                                if b and best else "n/a")
+            dense = f.get("cublas_dense_tflops") if f else None
+            speedup += " | " + (f"{100 * b['layer_tflops_per_gpu'] / dense:.1f}% of {dense:.0f}"
+                                if b and dense else "n/a")
         print(f"| {preset} | {tokens} | {ep} | " + " | ".join(cells)
               + f" | {speedup} | {device} | {commit} |")
 

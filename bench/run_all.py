@@ -10,7 +10,8 @@ epflow-bench) and the PyTorch layer matches an fp32 reference (torch_moe.py --ch
 
 Usage: bench/run_all.py --out results.json [--bench build/epflow-bench] [--dump PATH]
          [--png results.png] [--presets a,b] [--tokens 128,512] [--ep 1,2] [--iters N]
-         [--warmup N] [--repeats N] [--seed S] [--yardstick at-once|one-by-one|interleaved]"""
+         [--warmup N] [--repeats N] [--seed S] [--yardstick at-once|one-by-one|interleaved]
+         [--backward]"""
 from __future__ import annotations
 
 import argparse
@@ -84,6 +85,9 @@ def parse_args() -> argparse.Namespace:
                     help="epflow-bench's --repeats: medians over N runs of each point's sequence "
                     "(EPFlow, its unfused chain, NCCL+cuBLAS, yardsticks; NCCL+PyTorch runs once)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--backward", action="store_true",
+                    help="also time EPFlow's backward (epflow-bench --backward, bf16 weight "
+                    "gradients like the PyTorch layer's) next to the NCCL+PyTorch backward")
     ap.add_argument("--yardstick", default="at-once",
                     choices=["at-once", "one-by-one", "interleaved"],
                     help="how epflow-bench measures its cuBLAS yardstick (its --yardstick)")
@@ -123,6 +127,7 @@ def main() -> int:
             part = Path(tmp) / f"epflow-ep{ep}.json"
             docs.append(run_json([str(bench), "--ep", str(ep), "--preset", args.presets, *common,
                                   "--yardstick", args.yardstick, "--repeats", str(args.repeats),
+                                  *(["--backward"] if args.backward else []),
                                   "--json", str(part)], env, part))
             part = Path(tmp) / f"torch-ep{ep}.json"
             docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets", args.presets,
