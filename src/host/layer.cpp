@@ -157,6 +157,7 @@ struct Layer::Impl {
     return sizeof(kernels::MegakernelTraceRecord) * kernels::kTraceRecordsPerCta * sm_count;
   }
   kernels::BarrierArgs barrier_args(int64_t T, kernels::BarrierPhase phase) const;
+  Status publish_barrier(int64_t T, cudaStream_t stream);
   Status exchange_and_schedule(int64_t T, const __nv_bfloat16* x, const int32_t* topk_idx,
                                cudaStream_t stream);
   Status barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
@@ -374,6 +375,15 @@ kernels::BarrierArgs Layer::Impl::barrier_args(int64_t T, kernels::BarrierPhase 
   return b;
 }
 
+// The barrier that publishes what this rank put into its window (peers read it after) and
+// gathers every rank's T.
+Status Layer::Impl::publish_barrier(int64_t T, cudaStream_t stream) {
+  kernels::BarrierArgs barrier = barrier_args(T, kernels::BarrierPhase::kDispatch);
+  barrier.tokens_out = tokens;
+  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
+  return Status::ok_status();
+}
+
 // This rank's tokens and expert ids into its window, the barrier that publishes them and gathers
 // every rank's T, then the device schedule (pull table, segments) of this rank's experts.
 Status Layer::Impl::exchange_and_schedule(int64_t T, const __nv_bfloat16* x,
@@ -387,9 +397,7 @@ Status Layer::Impl::exchange_and_schedule(int64_t T, const __nv_bfloat16* x,
                                        sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
                                        stream));
   }
-  kernels::BarrierArgs barrier = barrier_args(T, kernels::BarrierPhase::kDispatch);
-  barrier.tokens_out = tokens;
-  EPFLOW_CUDA_RETURN(kernels::launch_rank_barrier(barrier, stream));
+  EPFLOW_RETURN_IF_ERROR(publish_barrier(T, stream));
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(schedule_buffers.invalid_slots, 0, sizeof(int32_t), stream));
   EPFLOW_CUDA_RETURN(
       kernels::launch_routing_schedule(schedule, peer_topk_idx, tokens, schedule_buffers, stream));
@@ -450,9 +458,12 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
   EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, a.topk_idx, a.topk_weights, a.y, stream));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::end));
 
+  // Every forward replaces the schedule and this rank's x in its window, which the backward of
+  // a context reuses: a context is valid until the next forward, with or without a context.
+  ++generation;
   if (saved) {
     *saved = SavedContext{};
-    saved->generation = ++generation;
+    saved->generation = generation;
     saved_generation = unfused ? 0 : generation;
     saved->num_tokens = T;
     saved->x = a.x;
@@ -485,12 +496,13 @@ Status Layer::Impl::allocate_backward() {
   return Status::ok_status();
 }
 
-// The unfused backward (docs/ARCHITECTURE.md, "Backward"): the forward's schedule rebuilt, x and
-// dy rows pulled, g and u recomputed, dhp = dy W_down, the SwiGLU and router-weight backward
-// (d topk_weights pushed to the owners), dx rows = [dg | du] [W_gate; W_up] pushed into the
-// owners' combine slots, the weight gradients, then each owner sums its dx over k.
+// The unfused backward (docs/ARCHITECTURE.md, "Backward"): on the forward's schedule, dy rows
+// pulled, dhp = dy W_down, the SwiGLU and router-weight backward from the kept g | u (d
+// topk_weights pushed to the owners), dx rows = [dg | du] [W_gate; W_up] pushed into the owners'
+// combine slots and the weight gradients beside it, x rows pulled on a side stream meanwhile,
+// then each owner sums its dx over k.
 const char* const kBackwardStageNames[kBackwardStages] = {
-    "inputs+metadata+schedule",
+    "inputs+barrier",
     "pull dy rows",
     "dhp = dy W_down",
     "SwiGLU backward",
@@ -527,14 +539,17 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
     EPFLOW_CUDA_RETURN(
         cudaMemsetAsync(mine + layout.d_weights, 0, sizeof(float) * T * c.top_k, stream));
   }
-  EPFLOW_RETURN_IF_ERROR(exchange_and_schedule(T, saved.x, saved.topk_idx, stream));
+  // The forward's schedule (pull table, segments) is still this layer's: no forward ran since
+  // (the generation check above), and peers' windows still hold that forward's x (a peer's next
+  // forward overwrites it only after this backward's last barrier, which follows every pull).
+  EPFLOW_RETURN_IF_ERROR(publish_barrier(T, stream));
   EPFLOW_CUDA_RETURN(mark());
 
   // dy rows first (the first GEMM reads them); x rows, needed only by the last two weight
   // gradients, on the side stream beside the GEMMs. NOTES: the GEMMs run on sm_count - kSideSms
   // CTAs and the side kernels on kSideSms CTAs of a whole SM's threads, so both are resident at
   // once whichever starts first (a GEMM CTA fills an SM's register file).
-  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream, whole_gpu()));
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream, whole_gpu(), true));
   EPFLOW_CUDA_RETURN(cudaEventRecord(scheduled, stream));
   EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(side, scheduled, 0));
   EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, side, beside_gemms(), true));
@@ -562,11 +577,9 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   sb.table = schedule_buffers.table;
   sb.seg_offset = schedule_buffers.seg_offset;
   sb.experts = E;
-  sb.hidden = H;
   sb.intermediate = I;
   sb.gate_up = saved_gate_up;
-  sb.dhp_h = bw_dhp;
-  sb.dy_dz = bw_dy;
+  sb.dhp_wh = bw_dhp;
   sb.dgu = bw_dgu;
   EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, 4 * gemm_ctas, stream));
   EPFLOW_CUDA_RETURN(mark());
@@ -587,7 +600,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, side, beside_gemms()));
   EPFLOW_CUDA_RETURN(cudaEventRecord(dx_pushed, side));
 
-  // dW_down = dzᵀ h, dW_gate = dgᵀ x, dW_up = duᵀ x.
+  // dW_down = dyᵀ (w h), dW_gate = dgᵀ x, dW_up = duᵀ x.
   kernels::ExpertWgradArgs wg;
   wg.segments = segments;
   wg.fp32_out = a.grad_dtype == GradDType::kFP32;

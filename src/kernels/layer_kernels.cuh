@@ -92,11 +92,12 @@ cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStr
 
 // Backward of the SwiGLU and of the router weight, routed row by routed row (a warp per row of
 // the pull table). With w the owner's topk_weights[src_slot] (read from its window), g and u the
-// recomputed gate/up outputs and dhp = dy W_down (the down GEMM's input gradient before w):
+// gate/up outputs the forward kept and dhp = dy W_down (the down GEMM's input gradient before w):
 //   h = silu(g) u, rounded to bf16 as the forward stored it; d w = <dhp, h>, written to the
 //   owner's d_weights[src_slot] (its window); dh = w dhp; dg = dh u silu'(g); du = dh silu(g)
-//   into dgu = [dg | du]; h in place of dhp; dz = w dy in place of the dy rows.
-// Padding rows of dgu, h and dz are zeroed: the weight-gradient GEMMs sum over them.
+//   into dgu = [dg | du]; w h in place of dhp. NOTES: w h rather than dz = w dy, so that
+//   dW_down = dzᵀ h = dyᵀ (w h) reads the dy rows as pulled: no pass over the [rows, H] dy.
+// Padding rows of dgu and w h are zeroed: the weight-gradient GEMMs sum over them.
 struct SwigluBackwardArgs {
   PeerWindows peers;
   size_t weights_offset = 0;    // WindowLayout::topk_weights
@@ -104,10 +105,9 @@ struct SwigluBackwardArgs {
   const sched::PullRow* table = nullptr;
   const int64_t* seg_offset = nullptr;  // device [experts + 1]
   int32_t experts = 0;
-  int64_t hidden = 0, intermediate = 0;
+  int64_t intermediate = 0;
   const __nv_bfloat16* gate_up = nullptr;  // [max_rows, 2I]: g | u, as the forward kept them
-  __nv_bfloat16* dhp_h = nullptr;    // [max_rows, I]: dhp in, h out
-  __nv_bfloat16* dy_dz = nullptr;    // [max_rows, H]: dy rows in, dz out
+  __nv_bfloat16* dhp_wh = nullptr;   // [max_rows, I]: dhp in, w h out
   __nv_bfloat16* dgu = nullptr;      // [max_rows, 2I] out
 };
 cudaError_t launch_swiglu_backward(const SwigluBackwardArgs& args, int32_t blocks,

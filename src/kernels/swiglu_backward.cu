@@ -43,15 +43,14 @@ __device__ __forceinline__ void zero_row(__nv_bfloat16* row, int64_t elems, int 
 __global__ void __launch_bounds__(kRowMoverThreads) swiglu_backward_kernel(SwigluBackwardArgs a) {
   constexpr int kWarps = kRowMoverThreads / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t H = a.hidden, I = a.intermediate;
+  const int64_t I = a.intermediate;
   const int64_t total = a.seg_offset[a.experts];
   for (int64_t row = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; row < total;
        row += int64_t{gridDim.x} * kWarps) {
     const sched::PullRow r = a.table[row];
     if (r.src_rank == sched::kPaddingRow) {
       zero_row(a.dgu + row * 2 * I, 2 * I, lane);
-      zero_row(a.dhp_h + row * I, I, lane);
-      zero_row(a.dy_dz + row * H, H, lane);
+      zero_row(a.dhp_wh + row * I, I, lane);
       continue;
     }
     const float w = *reinterpret_cast<const float*>(a.peers.base[r.src_rank] + a.weights_offset +
@@ -59,22 +58,23 @@ __global__ void __launch_bounds__(kRowMoverThreads) swiglu_backward_kernel(Swigl
     float dot = 0.0f;
     for (int64_t i = lane * 8; i < I; i += 32 * 8) {
       const Vec8 g = load8(a.gate_up + row * 2 * I + i), u = load8(a.gate_up + row * 2 * I + I + i);
-      const Vec8 dhp = load8(a.dhp_h + row * I + i);
-      Vec8 h, dg, du;
+      const Vec8 dhp = load8(a.dhp_wh + row * I + i);
+      Vec8 wh, dg, du;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float sig = 1.0f / (1.0f + __expf(-g.v[j]));
         const float silu = g.v[j] * sig;
         // h as the forward stored it (bf16), so d w matches the y the forward combined.
-        h.v[j] = __bfloat162float(__float2bfloat16(silu * u.v[j]));
-        dot = fmaf(dhp.v[j], h.v[j], dot);
+        const float h = __bfloat162float(__float2bfloat16(silu * u.v[j]));
+        dot = fmaf(dhp.v[j], h, dot);
+        wh.v[j] = w * h;
         const float dh = w * dhp.v[j];
         du.v[j] = dh * silu;
         dg.v[j] = dh * u.v[j] * sig * (1.0f + g.v[j] * (1.0f - sig));
       }
       store8(a.dgu + row * 2 * I + i, dg);
       store8(a.dgu + row * 2 * I + I + i, du);
-      store8(a.dhp_h + row * I + i, h);
+      store8(a.dhp_wh + row * I + i, wh);
     }
     // NOTES: the warp's lanes add their partial sums in a fixed butterfly order: d w does not
     // depend on timing.
@@ -83,12 +83,6 @@ __global__ void __launch_bounds__(kRowMoverThreads) swiglu_backward_kernel(Swigl
     if (lane == 0)
       *reinterpret_cast<float*>(a.peers.base[r.src_rank] + a.d_weights_offset +
                                 int64_t{r.src_slot} * sizeof(float)) = dot;
-    for (int64_t i = lane * 8; i < H; i += 32 * 8) {
-      Vec8 d = load8(a.dy_dz + row * H + i);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) d.v[j] *= w;
-      store8(a.dy_dz + row * H + i, d);
-    }
   }
 }
 

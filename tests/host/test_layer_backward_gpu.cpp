@@ -298,14 +298,16 @@ TEST(LayerBackwardGpu, CapturedInCudaGraph) {
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
 }
 
-// The unfused forward (a benchmark path) keeps no g | u: its backward says so, launching nothing.
-TEST(LayerBackwardGpu, RefusesAContextOfTheUnfusedForward) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
+// A backward the layer must refuse before launching anything: after the unfused forward (a
+// benchmark path, it keeps no g | u), or with a context an later forward made stale (it replaced
+// the schedule and the window's x the backward reuses), even one without a context.
+Status refused_backward(bool unfused, bool forward_again, StatusCode want) {
   const LayerConfig c = small_config(1, 64);
-  const Status s = run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
+  return run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
     std::unique_ptr<Layer> layer;
     if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
-    if (Status e = LayerInternals::use_unfused_forward(*layer, true); !e.ok()) return e;
+    if (unfused)
+      if (Status e = LayerInternals::use_unfused_forward(*layer, true); !e.ok()) return e;
     const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank();
     Poisoned w, x, y, idx, tw, grads, dtw;
     for (auto [buf, n, bytes] :
@@ -324,6 +326,8 @@ TEST(LayerBackwardGpu, RefusesAContextOfTheUnfusedForward) {
     f.y = static_cast<__nv_bfloat16*>(y.ptr);
     SavedContext saved;
     if (Status e = layer->forward(f, nullptr, &saved); !e.ok()) return e;
+    if (forward_again)
+      if (Status e = layer->forward(f, nullptr, nullptr); !e.ok()) return e;
     EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
     auto* gp = static_cast<float*>(grads.ptr);
     BackwardArgs b;
@@ -334,11 +338,19 @@ TEST(LayerBackwardGpu, RefusesAContextOfTheUnfusedForward) {
     b.d_up = gp + E * I * H;
     b.d_down = gp + 2 * E * I * H;
     const Status refused = layer->backward(b, saved, nullptr);
-    if (refused.code() != StatusCode::kNotImplemented)
-      return Status(StatusCode::kInternal, "expected NotImplemented, got " + refused.to_string());
+    if (refused.code() != want)
+      return Status(StatusCode::kInternal, "expected " + std::string(to_string(want)) +
+                                               ", got " + refused.to_string());
     return Status::ok_status();
   });
-  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST(LayerBackwardGpu, RefusesUnfusedOrStaleContexts) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const Status unfused = refused_backward(true, false, StatusCode::kNotImplemented);
+  EXPECT_TRUE(unfused.ok()) << unfused.to_string();
+  const Status stale = refused_backward(false, true, StatusCode::kInvalidArgument);
+  EXPECT_TRUE(stale.ok()) << stale.to_string();
 }
 
 }  // namespace
