@@ -67,6 +67,8 @@ struct Options {
   // default: what the NCCL+PyTorch baseline's autograd writes for bf16 weights).
   bool backward = false;
   GradDType grad_dtype = GradDType::kBF16;
+  // --backward-side-sms: the backward again with each of these side-stream SM counts (A/B).
+  std::vector<int64_t> backward_side_sms;
   // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
   std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
   std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
@@ -96,13 +98,15 @@ void usage() {
       "                    [--check] [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
       "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
       "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
-      "                    [--grad-dtype bf16|fp32]\n"
+      "                    [--grad-dtype bf16|fp32] [--backward-side-sms N[,N...]]\n"
       "  --warmup N   untimed calls before the timed ones, for every system and yardstick\n"
       "               (default 100: the sustained power state at large sizes)\n"
       "  --repeats N  run each point's whole sequence (systems, yardsticks) N times and\n"
       "               report the medians over the repeats (default 1)\n"
       "  --backward   also time EPFlow's backward and its stages (dy = x, weight gradients\n"
       "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"
+      "  --backward-side-sms N[,N...]  also time the backward with N SMs for its side stream\n"
+      "               (x pull, dx push beside the GEMMs; 0: none, all in order)\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
       "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
@@ -168,6 +172,8 @@ bool parse(int argc, char** argv, Options* o) {
                  })) {
         return false;
       }
+    } else if (a == "--backward-side-sms") {
+      for (const auto& t : split(v)) o->backward_side_sms.push_back(std::atoll(t.c_str()));
     } else if (a == "--grad-dtype") {
       if (v != "bf16" && v != "fp32") return false;
       o->grad_dtype = v == "bf16" ? GradDType::kBF16 : GradDType::kFP32;
@@ -286,6 +292,7 @@ struct RankResult {
   double backward_us = 0;               // --backward: EPFlow's backward alone (median)
   double backward_stage_us[kBackwardStages] = {};
   double forward_saving_us = 0;  // --backward: the forward that keeps g | u for it (median)
+  std::vector<double> backward_side_us;  // --backward-side-sms: the backward with each count
 };
 
 double median(std::vector<double> v) {
@@ -480,12 +487,25 @@ Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t
   EPFLOW_RETURN_IF_ERROR(fwd.summarize(o.warmup, &out->forward_saving_us, &unused_stage));
   IterationEvents<kBackwardStages> ev;
   EPFLOW_RETURN_IF_ERROR(ev.create(n));
-  for (int i = 0; i < n; ++i)
-    EPFLOW_RETURN_IF_ERROR(LayerInternals::backward_with_stage_events(layer, data.grads(), saved,
-                                                                      stream, ev.marks(i)));
-  EPFLOW_RETURN_IF_ERROR(
-      with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow backward")));
-  return ev.summarize(o.warmup, &out->backward_us, out->backward_stage_us);
+  auto run = [&](double* total_us, double* stage_us) {
+    for (int i = 0; i < n; ++i)
+      EPFLOW_RETURN_IF_ERROR(LayerInternals::backward_with_stage_events(
+          layer, data.grads(), saved, stream, ev.marks(i)));
+    EPFLOW_RETURN_IF_ERROR(
+        with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow backward")));
+    return ev.summarize(o.warmup, total_us, stage_us);
+  };
+  EPFLOW_RETURN_IF_ERROR(run(&out->backward_us, out->backward_stage_us));
+  const int32_t default_side_sms = LayerInternals::backward_side_sms(layer);
+  out->backward_side_us.clear();
+  for (int64_t side : o.backward_side_sms) {
+    double total = 0, stages[kBackwardStages];
+    EPFLOW_RETURN_IF_ERROR(
+        LayerInternals::set_backward_side_sms(layer, static_cast<int32_t>(side)));
+    EPFLOW_RETURN_IF_ERROR(run(&total, stages));
+    out->backward_side_us.push_back(total);
+  }
+  return LayerInternals::set_backward_side_sms(layer, default_side_sms);
 }
 
 // The rows of `tokens` of y [T, H] as floats, token after token.
@@ -742,6 +762,11 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     v.clear();
     for (const auto& rep : reps) v.push_back(rep[r].forward_saving_us);
     out[r].forward_saving_us = median(v);
+    for (size_t i = 0; i < out[r].backward_side_us.size(); ++i) {
+      v.clear();
+      for (const auto& rep : reps) v.push_back(rep[r].backward_side_us[i]);
+      out[r].backward_side_us[i] = median(v);
+    }
     for (int st = 0; st < kBackwardStages; ++st) {
       v.clear();
       for (const auto& rep : reps) v.push_back(rep[r].backward_stage_us[st]);
@@ -1001,6 +1026,7 @@ int run_gpu(const Options& o, int devices) {
         to->total_us = from.total_us;
         to->backward_us = from.backward_us;
         to->forward_saving_us = from.forward_saving_us;
+        to->backward_side_us = from.backward_side_us;
         std::copy(from.stage_us, from.stage_us + kStages, to->stage_us);
         std::copy(from.backward_stage_us, from.backward_stage_us + kBackwardStages,
                   to->backward_stage_us);
@@ -1182,6 +1208,19 @@ int run_gpu(const Options& o, int devices) {
             json << (st ? ", " : "") << '"' << kBackwardStageNames[st]
                  << "\": " << json_num(b.backward_stage_us[st]);
           json << "}}";
+          for (size_t i = 0; i < o.backward_side_sms.size(); ++i) {
+            double us = 0;  // the slowest rank's
+            for (const RankResult& r : variant_results[0]) us = std::max(us, r.backward_side_us[i]);
+            std::printf("  %-26s %10.1f %12.1f  (side-stream SMs %lld)\n", "epflow backward",
+                        us, 2 * forward_flops(c, b.routed_slots) / us * 1e-6,
+                        static_cast<long long>(o.backward_side_sms[i]));
+            json << ",\n    {\"system\": \"" << kSweep << "\", \"direction\": \"bwd\", "
+                 << "\"preset\": \"" << p->name << "\", \"tokens\": " << T
+                 << ", \"layer_us\": " << json_num(us) << ", \"layer_tflops_per_gpu\": "
+                 << json_num(2 * forward_flops(c, b.routed_slots) / us * 1e-6)
+                 << ", \"grad_dtype\": \"" << dtype
+                 << "\", \"backward_side_sms\": " << o.backward_side_sms[i] << "}";
+          }
         }
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
       }

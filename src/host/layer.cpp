@@ -129,9 +129,11 @@ struct Layer::Impl {
   void* backward_buffers = nullptr;
   __nv_bfloat16 *bw_x = nullptr, *bw_dy = nullptr, *bw_dx = nullptr;
   __nv_bfloat16 *bw_dhp = nullptr, *bw_dgu = nullptr;
-  // The backward moves x rows in and dx rows out on a second stream, on kSideSms SMs that its
-  // GEMMs leave free, while the GEMMs run (fork and join through events: graph-capturable).
-  static constexpr int32_t kSideSms = 8;
+  // The backward moves x rows in and dx rows out on a second stream, on side_sms SMs that its
+  // GEMMs leave free, while the GEMMs run (fork and join through events: graph-capturable);
+  // side_sms = 0: everything on the caller's stream, one after the other.
+  static constexpr int32_t kDefaultSideSms = 8;
+  int32_t side_sms = kDefaultSideSms;
   cudaStream_t side = nullptr;
   cudaEvent_t scheduled = nullptr, x_pulled = nullptr, dx_ready = nullptr, dx_pushed = nullptr;
 
@@ -164,13 +166,15 @@ struct Layer::Impl {
                          __nv_bfloat16* out, cudaStream_t stream);
   Status earlier_failure() const;
   // Grid of the warp-per-row kernels (dispatch, combine, SwiGLU backward): a few waves of CTAs
-  // with the GPU to themselves, or one big CTA on each of the kSideSms SMs the backward's GEMMs
+  // with the GPU to themselves, or one big CTA on each of the side_sms SMs the backward's GEMMs
   // leave free.
   struct RowMovers {
     int32_t blocks, threads;
   };
   RowMovers whole_gpu() const { return {4 * sm_count, kernels::kRowMoverThreads}; }
-  static RowMovers beside_gemms() { return {kSideSms, kernels::kRowMoverMaxThreads}; }
+  RowMovers beside_gemms() const {
+    return side_sms > 0 ? RowMovers{side_sms, kernels::kRowMoverMaxThreads} : whole_gpu();
+  }
   Status pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream, RowMovers movers,
                    bool zero_padding_rows = false);
   Status push_rows(const __nv_bfloat16* rows, cudaStream_t stream, RowMovers movers);
@@ -546,16 +550,17 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   EPFLOW_CUDA_RETURN(mark());
 
   // dy rows first (the first GEMM reads them); x rows, needed only by the last two weight
-  // gradients, on the side stream beside the GEMMs. NOTES: the GEMMs run on sm_count - kSideSms
-  // CTAs and the side kernels on kSideSms CTAs of a whole SM's threads, so both are resident at
+  // gradients, on the side stream beside the GEMMs. NOTES: the GEMMs run on sm_count - side_sms
+  // CTAs and the side kernels on side_sms CTAs of a whole SM's threads, so both are resident at
   // once whichever starts first (a GEMM CTA fills an SM's register file).
   EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream, whole_gpu(), true));
   EPFLOW_CUDA_RETURN(cudaEventRecord(scheduled, stream));
-  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(side, scheduled, 0));
-  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, side, beside_gemms(), true));
-  EPFLOW_CUDA_RETURN(cudaEventRecord(x_pulled, side));
+  cudaStream_t aside = side_sms > 0 ? side : stream;
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(aside, scheduled, 0));
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, aside, beside_gemms(), true));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(x_pulled, aside));
   EPFLOW_CUDA_RETURN(mark());
-  const int32_t gemm_ctas = sm_count - kSideSms;
+  const int32_t gemm_ctas = sm_count - side_sms;
 
   const kernels::ExpertSegments segments{E, max_rows, schedule_buffers.seg_offset,
                                          schedule_buffers.expert_rows};
@@ -596,9 +601,9 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
 
   // dx rows into the owners' combine slots on the side stream, beside the weight gradients.
   EPFLOW_CUDA_RETURN(cudaEventRecord(dx_ready, stream));
-  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(side, dx_ready, 0));
-  EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, side, beside_gemms()));
-  EPFLOW_CUDA_RETURN(cudaEventRecord(dx_pushed, side));
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(aside, dx_ready, 0));
+  EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, aside, beside_gemms()));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(dx_pushed, aside));
 
   // dW_down = dyᵀ (w h), dW_gate = dgᵀ x, dW_up = duᵀ x.
   kernels::ExpertWgradArgs wg;
@@ -744,6 +749,17 @@ Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cuda
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, saved, args));
   return with_device_failure(*this, impl_->backward(args, saved, stream, nullptr));
 }
+
+Status LayerInternals::set_backward_side_sms(Layer& layer, int32_t side_sms) {
+  Layer::Impl& impl = *layer.impl_;
+  if (side_sms < 0 || side_sms >= impl.sm_count / 2)
+    return error_status(StatusCode::kInvalidArgument, "backward side SMs (", side_sms,
+                        ") must be in [0, ", impl.sm_count / 2, ")");
+  impl.side_sms = side_sms;
+  return Status::ok_status();
+}
+
+int32_t LayerInternals::backward_side_sms(const Layer& layer) { return layer.impl_->side_sms; }
 
 Status LayerInternals::backward_with_stage_events(Layer& layer, const BackwardArgs& args,
                                                   const SavedContext& saved, cudaStream_t stream,

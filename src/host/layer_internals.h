@@ -38,6 +38,10 @@ struct LayerInternals {
                             std::vector<kernels::MegakernelTraceRecord>* out);
   static Status forward_with_stage_events(Layer& layer, const ForwardArgs& args,
                                           cudaStream_t stream, const StageEvents& events);
+  // SMs the backward leaves to its side stream (x pull, dx push beside the GEMMs); 0: none,
+  // everything in order on the caller's stream. For A/B runs (epflow-bench --backward-side-sms).
+  static Status set_backward_side_sms(Layer& layer, int32_t side_sms);
+  static int32_t backward_side_sms(const Layer& layer);
   // `marks`: kBackwardStages + 1 events.
   static Status backward_with_stage_events(Layer& layer, const BackwardArgs& args,
                                            const SavedContext& saved, cudaStream_t stream,

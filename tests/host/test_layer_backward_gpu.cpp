@@ -34,6 +34,7 @@ struct GradOptions {
   bool check_repeatable = false;  // run the (writing) backward again: bitwise the same outputs
   // Then capture forward + backward in a CUDA graph and replay it: bitwise the same outputs.
   bool check_graph = false;
+  int32_t side_sms = -1;  // >= 0: LayerInternals::set_backward_side_sms (0: no side stream)
 };
 
 // Every rank's gradients as floats, in reference::RankGrads' layout.
@@ -89,6 +90,9 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     c.ep_rank = rank;
     std::unique_ptr<Layer> layer;
     if (Status s = Layer::create(c, comm, &layer); !s.ok()) return s;
+    if (options.side_sms >= 0)
+      if (Status s = LayerInternals::set_backward_side_sms(*layer, options.side_sms); !s.ok())
+        return s;
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
     const int64_t T = in[rank].num_tokens;
     std::vector<__nv_bfloat16*> w(3, nullptr);
@@ -283,6 +287,9 @@ TEST(LayerBackwardGpu, Ep2RingWrapAndIntermediateTail) {
   const std::vector<int64_t> tokens =
       world == 2 ? std::vector<int64_t>{700, 333} : std::vector<int64_t>{700};
   run_and_check(c, testing::make_call(c, tokens, Routing::kImbalanced, 10));
+  GradOptions in_order;  // no side stream: x pull and dx push in order on the caller's stream
+  in_order.side_sms = 0;
+  run_and_check(c, testing::make_call(c, tokens, Routing::kUniform, 12), in_order);
 }
 
 TEST(LayerBackwardGpu, CapturedInCudaGraph) {
