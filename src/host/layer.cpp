@@ -132,8 +132,7 @@ struct Layer::Impl {
   // The backward moves x rows in and dx rows out on a second stream, on side_sms SMs that its
   // GEMMs leave free, while the GEMMs run (fork and join through events: graph-capturable);
   // side_sms = 0: everything on the caller's stream, one after the other.
-  static constexpr int32_t kDefaultSideSms = 8;
-  int32_t side_sms = kDefaultSideSms;
+  int32_t side_sms = 0;  // plan.backward_side_sms unless set (LayerInternals)
   cudaStream_t side = nullptr;
   cudaEvent_t scheduled = nullptr, x_pulled = nullptr, dx_ready = nullptr, dx_pushed = nullptr;
 
@@ -680,6 +679,7 @@ Status Layer::create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr
   EPFLOW_CUDA_RETURN(
       cudaDeviceGetAttribute(&impl->sm_count, cudaDevAttrMultiProcessorCount, device));
   EPFLOW_RETURN_IF_ERROR(runtime::make_plan(config, impl->sm_count, &impl->plan));
+  impl->side_sms = impl->plan.backward_side_sms;
   EPFLOW_RETURN_IF_ERROR(impl->allocate());
   if (config.with_backward) EPFLOW_RETURN_IF_ERROR(impl->allocate_backward());
   out->reset(new Layer(std::move(impl)));
