@@ -1214,7 +1214,7 @@ int run_gpu(const Options& o, int devices) {
             std::printf("  %-26s %10.1f %12.1f  (side-stream SMs %lld)\n", "epflow backward",
                         us, 2 * forward_flops(c, b.routed_slots) / us * 1e-6,
                         static_cast<long long>(o.backward_side_sms[i]));
-            json << ",\n    {\"system\": \"" << kSweep << "\", \"direction\": \"bwd\", "
+            json << ",\n    {\"system\": \"epflow-bwd-side\", \"direction\": \"bwd\", "
                  << "\"preset\": \"" << p->name << "\", \"tokens\": " << T
                  << ", \"layer_us\": " << json_num(us) << ", \"layer_tflops_per_gpu\": "
                  << json_num(2 * forward_flops(c, b.routed_slots) / us * 1e-6)

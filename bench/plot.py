@@ -24,7 +24,8 @@ def plot(runs: list[dict], title: str, out: Path) -> None:
     matplotlib.use("Agg")  # no display on the GPU machine
     import matplotlib.pyplot as plt
 
-    runs = [r for r in runs if r["system"] != "epflow-sweep"]  # the knob sweep has its table
+    # The knob sweep and the backward's side-stream A/B have their tables (report.py).
+    runs = [r for r in runs if r["system"] not in ("epflow-sweep", "epflow-bwd-side")]
     presets = list(dict.fromkeys(r["preset"] for r in runs))
     eps = sorted({r["ep"] for r in runs})
     series = sorted({(r["system"], r["direction"]) for r in runs}, key=lambda s: series_key(*s))

@@ -14,6 +14,7 @@ def load(path):
 
 
 SWEEP = "epflow-sweep"
+SIDE_AB = "epflow-bwd-side"  # epflow-bench --backward-side-sms: the backward's side-stream A/B
 
 
 def is_baseline(system):
@@ -91,6 +92,22 @@ def render_sweep(runs):
               f"| {vs} | {dk} |")
 
 
+def render_side_ab(runs):
+    """The backward with each side-stream SM count (0: no side stream) next to the default."""
+    defaults = {(r["preset"], r["tokens"], r["ep"]): r for r in runs
+                if r["system"] == "epflow" and r["direction"] == "bwd"}
+    print("| preset | tokens/rank | EP | side SMs | backward µs | TFLOP/s/GPU | default µs "
+          "| this / default (time) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted((r for r in runs if r["system"] == SIDE_AB),
+                    key=lambda r: (r["preset"], r["ep"], r["tokens"], r["backward_side_sms"])):
+        d = defaults.get((r["preset"], r["tokens"], r["ep"]))
+        vs = f"{r['layer_us'] / d['layer_us']:.2f}x" if d else "n/a"
+        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['backward_side_sms']} "
+              f"| {r['layer_us']:.0f} | {r['layer_tflops_per_gpu']:.1f} "
+              f"| {fmt(d and d['layer_us'], '.0f')} | {vs} |")
+
+
 def render_layer(docs):
     print("| preset | tokens/rank | EP | layer µs | layer TFLOP/s/GPU | metadata+schedule µs "
           "| dispatch µs (GB/s) | expert FFN µs | combine+sum µs (GB/s) | device | commit |")
@@ -132,7 +149,7 @@ def render_comparison(runs):
     and EPFlow's forward speedup over the fastest baseline forward of the same row; with EPFlow
     backward runs, its speedup over the fastest baseline backward and its TFLOP/s (twice the
     forward FLOPs) against the cuBLAS dense yardstick of the same row's EPFlow forward run."""
-    runs = [r for r in runs if r["system"] != SWEEP]
+    runs = [r for r in runs if r["system"] not in (SWEEP, SIDE_AB)]
     series = sorted({(r["system"], r["direction"]) for r in runs}, key=lambda s: series_key(*s))
     presets = list(dict.fromkeys(r["preset"] for r in runs))
     unfused = ("epflow-unfused", "fwd") in series
@@ -240,6 +257,9 @@ def main(paths):
         if any(r["system"] == SWEEP for r in runs):
             print()
             render_sweep(runs)
+        if any(r["system"] == SIDE_AB for r in runs):
+            print()
+            render_side_ab(runs)
     elif epflow:
         render_epflow(epflow)
     if layer and gemm:
