@@ -92,6 +92,23 @@ def render_sweep(runs):
               f"| {vs} | {dk} |")
 
 
+def render_backward_stages(runs):
+    """EPFlow's backward per stage (the slowest rank's medians; stages on the caller's stream,
+    the side stream's work runs inside them)."""
+    bwd = [r for r in runs if r["system"] == "epflow" and r["direction"] == "bwd"
+           and "stage_us" in r]
+    names = list(bwd[0]["stage_us"])
+    cols = [n.replace("|", "\\|") for n in names]  # markdown cells
+    print("| preset | tokens/rank | EP | backward µs | " + " | ".join(f"{n} µs" for n in cols)
+          + " | forward keeping g\\|u µs | grad dtype | commit |")
+    print("|---|---|---|---|" + "---|" * len(names) + "---|---|---|")
+    for r in bwd:
+        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['layer_us']:.0f} | "
+              + " | ".join(f"{r['stage_us'][n]:.0f}" for n in names)
+              + f" | {fmt(r.get('forward_saving_us'), '.0f')} | {r.get('grad_dtype', 'n/a')} "
+              f"| {r['commit']} |")
+
+
 def render_side_ab(runs):
     """The backward with each side-stream SM count (0: no side stream) next to the default."""
     defaults = {(r["preset"], r["tokens"], r["ep"]): r for r in runs
@@ -257,6 +274,10 @@ def main(paths):
         if any(r["system"] == SWEEP for r in runs):
             print()
             render_sweep(runs)
+        if any(r["system"] == "epflow" and r["direction"] == "bwd" and "stage_us" in r
+               for r in runs):
+            print()
+            render_backward_stages(runs)
         if any(r["system"] == SIDE_AB for r in runs):
             print()
             render_side_ab(runs)

@@ -9,8 +9,8 @@
 
 The op `torch.ops.epflow.moe_forward(handle_id, x, topk_idx, topk_weights, w_gate, w_up, w_down)`
 runs EPFlow's GPU forward on the current CUDA stream; it has a fake (meta) implementation for
-torch.compile and is CUDA-graph capturable. Backward raises NotImplementedError until EPFlow's
-GPU backward exists (issue [F]): there is no fallback to another implementation.
+torch.compile and is CUDA-graph capturable. Backward raises NotImplementedError until autograd is
+wired to EPFlow's GPU backward (issue [G]): there is no fallback to another implementation.
 """
 import atexit
 import glob
@@ -22,7 +22,8 @@ import torch.nn as nn
 
 __all__ = ["MoELayer", "create_handle", "release_handles", "BACKWARD_NOT_IMPLEMENTED"]
 
-BACKWARD_NOT_IMPLEMENTED = "EPFlow's GPU backward is not implemented yet (issue [F])"
+BACKWARD_NOT_IMPLEMENTED = ("autograd through EPFlow's GPU backward is not wired into the "
+                            "PyTorch binding yet (issue [G]); the C++ Layer::backward works")
 
 
 def _load_library():

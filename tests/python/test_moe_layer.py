@@ -129,7 +129,7 @@ def test_backward_raises_not_implemented(layer):
     x.requires_grad_(True)
     y = layer(x, idx, w)
     assert y.requires_grad
-    with pytest.raises(NotImplementedError, match=r"issue \[F\]"):
+    with pytest.raises(NotImplementedError, match=r"issue \[G\]"):
         y.float().sum().backward()
 
 
