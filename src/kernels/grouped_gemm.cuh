@@ -256,14 +256,12 @@ struct DirectStoreSink {
   __device__ void skip(int, int) {}
 };
 
-// One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile). b_by_k_block:
-// k-block kb's B is in B buffer kb (kept there across tiles by the producer), not in the stage.
+// One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
 template <Epilogue kEpi, int kStages, int kStaging, class Sink,
           WeightMajor kMajor = WeightMajor::kK, RowsMajor kRows = RowsMajor::kK>
 __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
-                                             int32_t k_blocks, int wg, Sink& sink,
-                                             bool b_by_k_block = false) {
+                                             int32_t k_blocks, int wg, Sink& sink) {
   const int tid = threadIdx.x % 128;
   if (c.rows <= wg * 64) {
     // NOTES: all 64 rows are segment padding (decode-size batches): keep the pipeline's
@@ -306,8 +304,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
     const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
-    const uint64_t b_desc =
-        ptx::smem_desc_advance(b_desc0, (b_by_k_block ? kb : ps.stage) * sizeof(s.b[0]));
+    const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
