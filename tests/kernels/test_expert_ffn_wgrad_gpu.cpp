@@ -31,6 +31,7 @@ struct Case {
   bool fp32_out = false;
   int calls = 1;              // > 1: the later calls accumulate (dw = calls * lhsᵀ rhs)
   int64_t lhs_skip = 0;       // lhs rows are [lhs_skip junk | m used] columns wide
+  int32_t max_ctas = 0;       // > 0: so few CTAs that each runs many tiles
 };
 
 // rows x cols of segment data: routed rows random, padding rows zero (as the layer leaves them),
@@ -88,6 +89,7 @@ void run_case(const Case& c) {
   args.rhs = static_cast<const __nv_bfloat16*>(d_rhs);
   args.dw = d_dw;
   args.fp32_out = c.fp32_out;
+  args.max_ctas = c.max_ctas;
   for (int call = 0; call < c.calls; ++call) {
     args.accumulate = call > 0;
     EPFLOW_CUDA_CHECK(kernels::launch_expert_wgrad(args, nullptr));
@@ -150,6 +152,17 @@ TEST(ExpertWgradGpu, RaggedSegmentsSmallShapes) {
   run_case({"minimum", 64, 64, {0, 1, 127, 0, 128, 129, 0}, 0, 41});
   run_case({"tails", 192, 320, {300, 0, 5, 257, 64}, 0, 42});
   run_case({"nothing routed", 128, 256, {0, 0}, 0, 43});
+}
+
+// One to three CTAs for every tile (the backward leaves SMs to its side stream; here the extreme):
+// each CTA runs tiles of experts with 0 to 600 rows (1 to 10 k-blocks) in turn through one stage
+// ring, and an m of 9.5 row tiles.
+TEST(ExpertWgradGpu, FewCtasManyTilesEach) {
+  EPFLOW_SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> rows = {257, 5, 0, 600, 256, 1, 300, 128, 64};
+  run_case({"bf16, 2 CTAs", 1216, 320, rows, 0, 71, false, 1, 0, 2});
+  run_case({"bf16 accumulated, 3 CTAs", 1216, 320, rows, 0, 72, false, 2, 0, 3});
+  run_case({"fp32, 1 CTA", 1216, 320, rows, 0, 73, true, 1, 0, 1});
 }
 
 TEST(ExpertWgradGpu, Fp32AccumulatedAndWideLhsRows) {
