@@ -72,11 +72,16 @@ def times(ratio, stream_us):
     return "n/a" if ratio is None else f"{ratio:.2f}x of {stream_us:.0f} µs"
 
 
+def epflow_by_point(runs, direction):
+    """EPFlow's default runs of one direction by (preset, tokens, EP): what variants compare to."""
+    return {(r["preset"], r["tokens"], r["ep"]): r for r in runs
+            if r["system"] == "epflow" and r["direction"] == direction}
+
+
 def render_sweep(runs):
     """The knob sweep: every (comm SMs, minibatch rows, ring rows) next to the automatic
     default."""
-    defaults = {(r["preset"], r["tokens"], r["ep"]): r for r in runs
-                if r["system"] == "epflow" and r["direction"] == "fwd"}
+    defaults = epflow_by_point(runs, "fwd")
     print("| preset | tokens/rank | EP | comm SMs | minibatch rows | ring rows | layer µs "
           "| TFLOP/s/GPU | vs default | default: comm SMs, minibatch rows, ring rows |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -111,8 +116,7 @@ def render_backward_stages(runs):
 
 def render_side_ab(runs):
     """The backward with each side-stream SM count (0: no side stream) next to the default."""
-    defaults = {(r["preset"], r["tokens"], r["ep"]): r for r in runs
-                if r["system"] == "epflow" and r["direction"] == "bwd"}
+    defaults = epflow_by_point(runs, "bwd")
     print("| preset | tokens/rank | EP | side SMs | backward µs | TFLOP/s/GPU | default µs "
           "| this / default (time) |")
     print("|---|---|---|---|---|---|---|---|")

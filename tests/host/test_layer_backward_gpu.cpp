@@ -277,15 +277,24 @@ TEST(LayerBackwardGpu, Ep2DifferentTokenCountsAndAnEmptyRank) {
 
 // The forward ring wraps many times (2-tile ring, 1-tile minibatches) and I = 320 ends in a
 // partial gate/up tile (64 of 128 columns): the g | u the megakernel keeps for the backward.
-TEST(LayerBackwardGpu, Ep2RingWrapAndIntermediateTail) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const int world = testing::device_count() >= 2 ? 2 : 1;
-  LayerConfig c = small_config(world, 700);
-  c.intermediate = 320;
+// EP=2 where two GPUs are present, else EP=1; a forward ring of two 1-tile minibatches.
+LayerConfig small_ring_config(int64_t max_tokens) {
+  LayerConfig c = small_config(testing::device_count() >= 2 ? 2 : 1, max_tokens);
   c.ring_rows = 256;
   c.minibatch_rows = 128;
-  const std::vector<int64_t> tokens =
-      world == 2 ? std::vector<int64_t>{700, 333} : std::vector<int64_t>{700};
+  return c;
+}
+
+// Token counts per rank: these on EP=2, the last one on EP=1.
+std::vector<int64_t> tokens_for(const LayerConfig& c, int64_t first, int64_t second) {
+  return c.ep_size == 2 ? std::vector<int64_t>{first, second} : std::vector<int64_t>{second};
+}
+
+TEST(LayerBackwardGpu, Ep2RingWrapAndIntermediateTail) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  LayerConfig c = small_ring_config(700);
+  c.intermediate = 320;
+  const std::vector<int64_t> tokens = tokens_for(c, 700, 333);
   run_and_check(c, testing::make_call(c, tokens, Routing::kImbalanced, 10));
   GradOptions in_order;  // no side stream: x pull and dx push in order on the caller's stream
   in_order.side_sms = 0;
@@ -294,12 +303,8 @@ TEST(LayerBackwardGpu, Ep2RingWrapAndIntermediateTail) {
 
 TEST(LayerBackwardGpu, CapturedInCudaGraph) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const int world = testing::device_count() >= 2 ? 2 : 1;
-  LayerConfig c = small_config(world, 400);
-  c.ring_rows = 256;
-  c.minibatch_rows = 128;
-  const std::vector<int64_t> tokens =
-      world == 2 ? std::vector<int64_t>{400, 211} : std::vector<int64_t>{211};
+  const LayerConfig c = small_ring_config(400);
+  const std::vector<int64_t> tokens = tokens_for(c, 400, 211);
   GradOptions graph;
   graph.check_graph = true;
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
