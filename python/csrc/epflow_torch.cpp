@@ -3,12 +3,22 @@
 //
 //   torch.classes.epflow.Handle(unique_id, world, rank, device, hidden, intermediate, num_experts,
 //                               top_k, max_tokens_per_rank, timeout_seconds, comm_sms,
-//                               minibatch_rows, ring_rows)
-//       owns one ncclComm_t (ncclCommInitRank on `device`) and one epflow::Layer on it.
+//                               minibatch_rows, ring_rows, with_backward)
+//       owns one ncclComm_t (ncclCommInitRank on `device`) and one epflow::Layer on it
+//       (with_backward: LayerConfig::with_backward, what training needs).
+//     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down) -> (Tensor y, int context)
+//       Layer::forward keeping its SavedContext; `context` is that forward's generation.
+//     .backward(context, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+//         -> (dx, d_topk_weights, d_w_gate, d_w_up, d_w_down)
+//       Layer::backward of that forward (the same input tensors, unchanged); bf16 weight
+//       gradients (the parameters' dtype), fp32 d_topk_weights. A context that a later forward of
+//       the handle made stale is refused with an error.
 //   epflow::get_unique_id() -> Tensor            ncclUniqueId as uint8[128] on the CPU
 //   epflow::moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights,
 //                       Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor y
-//       Layer::forward on the current CUDA stream; y is freshly allocated [T, H] bf16.
+//       Layer::forward on the current CUDA stream, keeping nothing (inference); y is freshly
+//       allocated [T, H] bf16. The handle methods above are what python/epflow's autograd
+//       function calls; they run on the current CUDA stream too.
 //
 // NOTES: the op takes the handle's integer id, not the torchbind object: an int passes through
 // torch.compile (Dynamo, FakeTensor, AOTAutograd) and CUDA-graph capture untouched, whereas a
@@ -46,7 +56,8 @@ class Handle : public torch::CustomClassHolder {
  public:
   Handle(at::Tensor unique_id, int64_t world, int64_t rank, int64_t device, int64_t hidden,
          int64_t intermediate, int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank,
-         double timeout_seconds, int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows) {
+         double timeout_seconds, int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows,
+         bool with_backward) {
     TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
                     unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),
                 "unique_id must be a CPU uint8 tensor of ", sizeof(ncclUniqueId),
@@ -65,6 +76,7 @@ class Handle : public torch::CustomClassHolder {
     config_.comm_sms = static_cast<int32_t>(comm_sms);
     config_.minibatch_rows = minibatch_rows;
     config_.ring_rows = ring_rows;
+    config_.with_backward = with_backward;
     // Config errors before any collective, with the field named.
     check_status(epflow::validate(config_), "config");
     TORCH_CHECK(device >= 0 && device < static_cast<int64_t>(c10::cuda::device_count()),
@@ -108,11 +120,19 @@ class Handle : public torch::CustomClassHolder {
     return "epflow.Handle(id=" + std::to_string(id_) + ", cuda:" + std::to_string(device_) +
            ", " + config_.to_string() + ")";
   }
-  // Device memory the layer holds, bytes: [symmetric, ring, schedule, saved].
+  // Device memory the layer holds, bytes: [symmetric, ring, schedule, saved, backward].
   std::vector<int64_t> memory() const {
     const epflow::MemoryReport m = layer_->memory();
-    return {m.symmetric_bytes, m.ring_bytes, m.schedule_bytes, m.saved_bytes};
+    return {m.symmetric_bytes, m.ring_bytes, m.schedule_bytes, m.saved_bytes, m.backward_bytes};
   }
+  std::tuple<at::Tensor, int64_t> forward_train(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                const at::Tensor& topk_weights,
+                                                const at::Tensor& w_gate, const at::Tensor& w_up,
+                                                const at::Tensor& w_down);
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+      int64_t context, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& topk_idx,
+      const at::Tensor& topk_weights, const at::Tensor& w_gate, const at::Tensor& w_up,
+      const at::Tensor& w_down);
 
  private:
   epflow::LayerConfig config_;
@@ -155,10 +175,16 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
               "an offset is not); call .clone()");
 }
 
-at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& topk_idx,
-                       const at::Tensor& topk_weights, const at::Tensor& w_gate,
-                       const at::Tensor& w_up, const at::Tensor& w_down) {
-  Handle& h = lookup(handle);
+// The checked forward arguments of one call on `h`, y allocated.
+struct ForwardCall {
+  at::Device device;
+  at::Tensor y;
+  epflow::ForwardArgs args;
+};
+
+ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_idx,
+                         const at::Tensor& topk_weights, const at::Tensor& w_gate,
+                         const at::Tensor& w_up, const at::Tensor& w_down) {
   const epflow::LayerConfig& c = h.config();
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(h.device()));
   TORCH_CHECK(x.dim() == 2, "epflow.moe_forward: x must be [T, H=", c.hidden, "], got ",
@@ -174,9 +200,8 @@ at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& to
   check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
   check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
 
-  c10::cuda::CUDAGuard guard(device);
-  at::Tensor y = at::empty({T, H}, x.options());
-  epflow::ForwardArgs a;
+  ForwardCall call{device, at::empty({T, H}, x.options()), {}};
+  epflow::ForwardArgs& a = call.args;
   a.num_tokens = T;
   a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   a.topk_idx = topk_idx.data_ptr<int32_t>();
@@ -184,10 +209,66 @@ at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& to
   a.weights.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
   a.weights.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
   a.weights.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
-  a.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
-  check_status(h.layer().forward(a, stream, nullptr), "forward");
-  return y;
+  a.y = reinterpret_cast<__nv_bfloat16*>(call.y.data_ptr());
+  return call;
+}
+
+at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& topk_idx,
+                       const at::Tensor& topk_weights, const at::Tensor& w_gate,
+                       const at::Tensor& w_up, const at::Tensor& w_down) {
+  Handle& h = lookup(handle);
+  ForwardCall call = forward_call(h, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  c10::cuda::CUDAGuard guard(call.device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(call.device.index()).stream();
+  check_status(h.layer().forward(call.args, stream, nullptr), "forward");
+  return call.y;
+}
+
+std::tuple<at::Tensor, int64_t> Handle::forward_train(const at::Tensor& x,
+                                                      const at::Tensor& topk_idx,
+                                                      const at::Tensor& topk_weights,
+                                                      const at::Tensor& w_gate,
+                                                      const at::Tensor& w_up,
+                                                      const at::Tensor& w_down) {
+  ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  c10::cuda::CUDAGuard guard(call.device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(call.device.index()).stream();
+  epflow::SavedContext saved;
+  check_status(layer_->forward(call.args, stream, &saved), "forward");
+  return {call.y, static_cast<int64_t>(saved.generation)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::backward(
+    int64_t context, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& topk_idx,
+    const at::Tensor& topk_weights, const at::Tensor& w_gate, const at::Tensor& w_up,
+    const at::Tensor& w_down) {
+  // The forward's arguments, checked again (they must be the forward's, unchanged).
+  ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  const int64_t T = x.size(0), H = config_.hidden, K = config_.top_k;
+  check_tensor(dy, "dy", at::kBFloat16, {T, H}, call.device);
+  c10::cuda::CUDAGuard guard(call.device);
+  epflow::SavedContext saved;
+  saved.generation = static_cast<uint64_t>(context);
+  saved.num_tokens = T;
+  saved.x = call.args.x;
+  saved.topk_idx = call.args.topk_idx;
+  saved.topk_weights = call.args.topk_weights;
+  saved.weights = call.args.weights;
+  at::Tensor dx = at::empty_like(x);
+  at::Tensor d_topk_weights = at::empty({T, K}, topk_weights.options());
+  at::Tensor d_gate = at::empty_like(w_gate), d_up = at::empty_like(w_up);
+  at::Tensor d_down = at::empty_like(w_down);
+  epflow::BackwardArgs b;
+  b.dy = reinterpret_cast<const __nv_bfloat16*>(dy.data_ptr());
+  b.dx = reinterpret_cast<__nv_bfloat16*>(dx.data_ptr());
+  b.d_topk_weights = d_topk_weights.data_ptr<float>();
+  b.d_gate = d_gate.data_ptr();
+  b.d_up = d_up.data_ptr();
+  b.d_down = d_down.data_ptr();
+  b.grad_dtype = epflow::GradDType::kBF16;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(call.device.index()).stream();
+  check_status(layer_->backward(b, saved, stream), "backward");
+  return {dx, d_topk_weights, d_gate, d_up, d_down};
 }
 
 }  // namespace
@@ -195,8 +276,10 @@ at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& to
 TORCH_LIBRARY(epflow, m) {
   m.class_<Handle>("Handle")
       .def(torch::init<at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, double, int64_t, int64_t, int64_t>())
+                       int64_t, double, int64_t, int64_t, int64_t, bool>())
       .def("id", &Handle::id)
+      .def("forward_train", &Handle::forward_train)
+      .def("backward", &Handle::backward)
       .def("device", &Handle::device)
       .def("memory", &Handle::memory)
       .def("__repr__", &Handle::repr);

@@ -6,11 +6,16 @@
     layer = epflow.MoELayer(hidden=7168, intermediate=2048, num_experts=256, top_k=8,
                             max_tokens_per_rank=4096)   # this rank's 256/world experts
     y = layer(x, topk_idx, topk_weights)                # x [T,H] bf16 on this GPU
+    y.float().square().mean().backward()                # EPFlow's GPU backward
 
-The op `torch.ops.epflow.moe_forward(handle_id, x, topk_idx, topk_weights, w_gate, w_up, w_down)`
-runs EPFlow's GPU forward on the current CUDA stream; it has a fake (meta) implementation for
-torch.compile and is CUDA-graph capturable. Backward raises NotImplementedError until autograd is
-wired to EPFlow's GPU backward (issue [G]): there is no fallback to another implementation.
+With gradients enabled, MoELayer runs EPFlow's forward keeping what its GPU backward needs and
+autograd calls that backward (gradients for x, topk_weights and the three expert weights; none
+for topk_idx). Without (torch.no_grad(), inference_mode(), or no input needing a gradient) it
+calls the op `torch.ops.epflow.moe_forward(handle_id, x, topk_idx, topk_weights, w_gate, w_up,
+w_down)`, EPFlow's GPU forward on the current CUDA stream, which keeps nothing; the op has a fake
+(meta) implementation for torch.compile and is CUDA-graph capturable, and has no autograd of its
+own (NotImplementedError: train through MoELayer). There is no fallback to another
+implementation.
 """
 import atexit
 import glob
@@ -22,8 +27,9 @@ import torch.nn as nn
 
 __all__ = ["MoELayer", "create_handle", "release_handles", "BACKWARD_NOT_IMPLEMENTED"]
 
-BACKWARD_NOT_IMPLEMENTED = ("autograd through EPFlow's GPU backward is not wired into the "
-                            "PyTorch binding yet (issue [G]); the C++ Layer::backward works")
+BACKWARD_NOT_IMPLEMENTED = ("torch.ops.epflow.moe_forward is EPFlow's inference op and has no "
+                            "autograd: train through epflow.MoELayer (backward=True, the default), "
+                            "whose forward keeps what EPFlow's GPU backward needs")
 
 
 def _load_library():
@@ -60,11 +66,10 @@ def _backward(ctx, grad_y):
     raise NotImplementedError(BACKWARD_NOT_IMPLEMENTED)
 
 
-# NOTES: autograd is registered on the op itself (torch.library.register_autograd, the custom-op
-# form of an autograd.Function), so that calling the op directly, MoELayer, and torch.compile all
-# get the same clear error. Under torch.compile with inputs that require grad, AOTAutograd traces
-# the backward while compiling, so the NotImplementedError appears at compile time there; use
-# torch.no_grad() / inference_mode() for compiled forward-only runs.
+# NOTES: the inference op keeps no context, so its autograd (registered on the op itself) is a
+# clear error; MoELayer trains through _MoEFunction instead. Under torch.compile with inputs that
+# require grad, AOTAutograd traces the op's backward while compiling, so that error appears at
+# compile time there.
 torch.library.register_autograd("epflow::moe_forward", _backward, setup_context=_setup_context)
 
 
@@ -86,8 +91,12 @@ def _group_info(group):
 
 
 def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *, group=None,
-                  device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0, ring_rows=0):
-    """Returns (key, handle) for this shape on this process group, creating it once.
+                  device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0, ring_rows=0,
+                  with_backward=False, unique=False):
+    """Returns (key, handle) for this shape on this process group, creating it once (a new one
+    each time with unique=True: a training layer's forward context belongs to its own handle).
+    with_backward: the handle keeps what EPFlow's GPU backward needs (LayerConfig::with_backward;
+    its memory is allocated at creation).
 
     Creation is collective over `group` (default: the world group; without torch.distributed,
     a single rank): every rank must call it, in the same order, with the same shape. Rank 0 of
@@ -105,8 +114,10 @@ def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank,
     group, ranks, world, rank = _group_info(group)
     shape = (int(hidden), int(intermediate), int(num_experts), int(top_k),
              int(max_tokens_per_rank), float(timeout_seconds), int(comm_sms),
-             int(minibatch_rows), int(ring_rows))
+             int(minibatch_rows), int(ring_rows), bool(with_backward))
     key = (ranks, device.index) + shape
+    if unique:
+        key += (len(_HANDLES), object())  # never equal to another key
     if key in _HANDLES:
         return key, _HANDLES[key]
     with torch.cuda.device(device):
@@ -136,6 +147,25 @@ def release_handles():
 atexit.register(release_handles)
 
 
+class _MoEFunction(torch.autograd.Function):
+    """EPFlow's forward keeping its context, and its GPU backward (bf16 weight gradients, like
+    the parameters; fp32 d topk_weights)."""
+
+    @staticmethod
+    def forward(ctx, handle, x, topk_idx, topk_weights, w_gate, w_up, w_down):
+        y, context = handle.forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down)
+        ctx.handle, ctx.context = handle, context
+        ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, topk_idx, topk_weights, w_gate, w_up, w_down = ctx.saved_tensors
+        dx, dw, dg, du, dd = ctx.handle.backward(ctx.context, dy.contiguous(), x, topk_idx,
+                                                 topk_weights, w_gate, w_up, w_down)
+        return None, dx, None, dw, dg, du, dd
+
+
 class MoELayer(nn.Module):
     """EPFlow's expert-parallel MoE layer (SwiGLU experts), this rank's experts as parameters.
 
@@ -147,19 +177,29 @@ class MoELayer(nn.Module):
     forward(x [..., H] bf16, topk_idx [..., K] global expert ids (-1: empty slot),
     topk_weights [..., K]) -> y [..., H] bf16. Every rank of the group must call forward the
     same number of times (each call is collective); T may differ per rank, up to
-    max_tokens_per_rank. Layers of the same shape on the same group share one handle (calls
-    are stream-ordered, so run them on one stream).
+    max_tokens_per_rank.
+
+    backward=True (default): the layer can train. It gets a handle of its own whose memory
+    includes what EPFlow's GPU backward needs (allocated here; Handle.memory() lists it), and
+    with gradients enabled its forward keeps a context that autograd's backward uses: call the
+    backward of a forward before the layer's next forward (a later forward makes the earlier
+    context stale, and its backward fails with an error saying so; activation checkpointing
+    that re-runs the forward before its backward is fine). backward=False: inference only;
+    layers of the same shape on the same group share one handle. Calls are stream-ordered: run
+    a layer's calls on one stream.
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *,
                  group=None, device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0,
-                 ring_rows=0):
+                 ring_rows=0, backward=True):
         super().__init__()
         self._key, handle = create_handle(
             hidden, intermediate, num_experts, top_k, max_tokens_per_rank, group=group,
             device=device, timeout_seconds=timeout_seconds, comm_sms=comm_sms,
-            minibatch_rows=minibatch_rows, ring_rows=ring_rows)
+            minibatch_rows=minibatch_rows, ring_rows=ring_rows, with_backward=backward,
+            unique=backward)
         self._handle_id = int(handle.id())
+        self._backward = bool(backward)
         dev = torch.device("cuda", int(handle.device()))
         _, _, world, rank = _group_info(group)
         self.hidden, self.intermediate = int(hidden), int(intermediate)
@@ -191,7 +231,15 @@ class MoELayer(nn.Module):
         x2 = x.reshape(-1, self.hidden).contiguous()
         idx = topk_idx.reshape(-1, self.top_k).to(torch.int32).contiguous()
         w = topk_weights.reshape(-1, self.top_k).to(torch.float32).contiguous()
-        y = torch.ops.epflow.moe_forward(self._handle_id, x2, idx, w, self.w_gate, self.w_up,
-                                         self.w_down)
+        params = (self.w_gate, self.w_up, self.w_down)
+        if self._backward and torch.is_grad_enabled() and any(
+                t.requires_grad for t in (x2, w) + params):
+            handle = _HANDLES.get(self._key)
+            if handle is None:
+                raise RuntimeError("epflow: this MoELayer's handle was released "
+                                   "(epflow.release_handles())")
+            y = _MoEFunction.apply(handle, x2, idx, w, *params)
+        else:
+            y = torch.ops.epflow.moe_forward(self._handle_id, x2, idx, w, *params)
         return y.reshape(*lead, self.hidden)
 

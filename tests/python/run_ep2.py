@@ -4,7 +4,9 @@
         torchrun --standalone --nproc_per_node 2 tests/python/run_ep2.py
 
 Each rank owns half the experts; every rank checks its own tokens' output against a pure-PyTorch
-reference over all experts' weights (all-gathered). Prints "EP2 OK rank r" per rank.
+reference over all experts' weights (all-gathered), then the gradients: of x and topk_weights
+against the reference's on this rank's tokens, of its experts' weights against the reference's
+summed over both ranks' tokens (all-reduced). Prints "EP2 OK rank r" per rank.
 """
 import os
 import sys
@@ -50,6 +52,40 @@ def main():
         good = bool(torch.isfinite(y).all()) and err <= TOL
         print(f"rank {rank} T={T} rel_err={err:.3e} {'ok' if good else 'FAIL'}", flush=True)
         ok &= good
+    params = (layer.w_gate, layer.w_up, layer.w_down)
+    e0, e1 = rank * layer.experts_per_rank, (rank + 1) * layer.experts_per_rank
+    for T in (100 + 23 * rank, 0 if rank == 1 else 9):  # T differs per rank, may be 0
+        g = torch.Generator(device="cuda").manual_seed(2000 * rank + T)
+        x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+        w, idx = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1)
+        idx = idx.to(torch.int32).contiguous()
+        w = (w / w.sum(1, keepdim=True)).float().contiguous()
+        dy = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        for p in params:
+            p.grad = None
+        y = layer(x, idx, w)
+        (y.float() * dy.float()).sum().backward()
+        leaves = [t.detach().float().requires_grad_(True)
+                  for t in (x, w, full["w_gate"], full["w_up"], full["w_down"])]
+        loss = (reference_moe(leaves[0], idx, leaves[1], *leaves[2:]) * dy.float()).sum()
+        if loss.requires_grad:  # not with T = 0: nothing depends on the leaves
+            loss.backward()
+        for t in leaves:
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
+        for t in leaves[2:]:
+            dist.all_reduce(t.grad)  # every rank's tokens reach every expert
+        torch.cuda.synchronize()
+        got = (x.grad, w.grad) + tuple(p.grad for p in params)
+        want = (leaves[0].grad, leaves[1].grad) + tuple(t.grad[e0:e1] for t in leaves[2:])
+        for name, a, b in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), got, want):
+            err = rel_err(a, b) if a.numel() else 0.0
+            good = a.shape == b.shape and bool(torch.isfinite(a).all()) and err <= 3 * TOL
+            print(f"rank {rank} T={T} grad {name} rel_err={err:.3e} {'ok' if good else 'FAIL'}",
+                  flush=True)
+            ok &= good
     dist.barrier()
     epflow.release_handles()
     dist.destroy_process_group()

@@ -69,4 +69,4 @@ def test_cpu_tensors_are_rejected():
 def test_handle_rejects_bad_config_before_any_collective():
     uid = torch.frombuffer(bytearray(epflow._C.get_unique_id()), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="hidden"):
-        torch.classes.epflow.Handle(uid, 1, 0, 0, 100, 128, 8, 2, 64, 5.0, 0, 0, 0)
+        torch.classes.epflow.Handle(uid, 1, 0, 0, 100, 128, 8, 2, 64, 5.0, 0, 0, 0, False)

@@ -1,6 +1,7 @@
-# EPFlow from PyTorch on the GPU (issue [G]): forward against a pure-PyTorch reference MoE at EP=1
-# (and EP=2 through torchrun when two GPUs are present), torch.compile, CUDA graphs, and the
-# backward's NotImplementedError. Skipped, with a message, where there is no CUDA device.
+# EPFlow from PyTorch on the GPU (issue [G]): forward and gradients against a pure-PyTorch
+# reference MoE at EP=1 (and EP=2 through torchrun when two GPUs are present), torch.compile, CUDA
+# graphs, the inference op's NotImplementedError and the refusal of a stale context. Skipped,
+# with a message, where there is no CUDA device.
 import os
 import shutil
 import subprocess
@@ -124,13 +125,53 @@ def test_cuda_graph_capture_and_replay(layer):
                                              layer.w_down)) <= TOL
 
 
-def test_backward_raises_not_implemented(layer):
+def test_inference_op_has_no_autograd(layer):
     x, idx, w = _inputs(32, seed=6)
     x.requires_grad_(True)
-    y = layer(x, idx, w)
+    y = _op(layer, x, idx, w)
     assert y.requires_grad
-    with pytest.raises(NotImplementedError, match=r"issue \[G\]"):
+    with pytest.raises(NotImplementedError, match="inference op"):
         y.float().sum().backward()
+
+
+def _reference_grads(x, idx, w, params, dy):
+    """Gradients of sum(reference(x) * dy) for x, w and the expert weights (fp32)."""
+    leaves = [t.detach().float().requires_grad_(True) for t in (x, w) + tuple(params)]
+    loss = (reference_moe(leaves[0], idx, leaves[1], *leaves[2:]) * dy.float()).sum()
+    loss.backward()
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+
+
+@pytest.mark.parametrize("T", [1, 77, T_MAX])
+def test_gradients_match_reference_ep1(layer, T):
+    x, idx, w = _inputs(T, seed=10 + T)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    params = (layer.w_gate, layer.w_up, layer.w_down)
+    for p in params:
+        p.grad = None
+    dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    y = layer(x, idx, w)
+    (y.float() * dy.float()).sum().backward()
+    torch.cuda.synchronize()
+    want = _reference_grads(x, idx, w, params, dy)
+    for name, got, ref in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"),
+                              (x.grad, w.grad) + tuple(p.grad for p in params), want):
+        assert got is not None and got.shape == ref.shape, name
+        assert torch.isfinite(got).all(), f"{name}: non-finite gradient"
+        err = rel_err(got, ref)
+        assert err <= 3 * TOL, f"{name}: rel err {err:.3e} at T={T}"
+
+
+def test_stale_context_is_refused(layer):
+    x, idx, w = _inputs(16, seed=20)
+    x.requires_grad_(True)
+    y1 = layer(x, idx, w)
+    y2 = layer(x, idx, w)  # a later forward of the same layer: y1's context is stale
+    y2.float().sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="stale"):
+        y1.float().sum().backward()
+    torch.cuda.synchronize()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs")
