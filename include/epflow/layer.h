@@ -93,6 +93,14 @@ class Layer {
   const LayerConfig& config() const;
   MemoryReport memory() const;
 
+  // What this rank's calls found wrong in topk_idx since the last report, then cleared:
+  // kInvalidArgument counting the slots whose id is outside [-1, num_experts) (skipped: they
+  // contribute nothing) or repeats an expert of an earlier slot of the same token (computed as
+  // two slots), with the first one's token, slot and id; ok when none. The check runs on the
+  // device inside each call, so synchronize the stream first for a complete report. forward()
+  // and backward() also return it, after enqueuing their own work (that call itself ran).
+  Status check_routing();
+
   // Why the layer's last kernels failed, if one of its waits timed out. A wait that times out
   // traps its kernel, which the stream then reports only as cudaErrorLaunchFailure; call this
   // after such an error: kTimeout naming the rank, the SM partition, the task and the counter it

@@ -108,6 +108,9 @@ struct Layer::Impl {
   // Host-mapped: where a timed-out wait inside the megakernel says who waited for what.
   kernels::MegakernelDiagnostic* diagnostic = nullptr;
   kernels::MegakernelDiagnostic* diagnostic_device = nullptr;
+  // Host-mapped: bad topk_idx slots the weighted sums found (Layer::check_routing).
+  kernels::RoutingCheck* routing_check = nullptr;
+  kernels::RoutingCheck* routing_check_device = nullptr;
   // Optional per-task trace of the megakernel (epflow-bench --trace), [sm_count][records].
   kernels::MegakernelTraceRecord* trace = nullptr;
 
@@ -141,6 +144,7 @@ struct Layer::Impl {
 
   ~Impl() {
     if (diagnostic) cudaFreeHost(diagnostic);
+    if (routing_check) cudaFreeHost(routing_check);
     if (trace) cudaFree(trace);
     if (local) cudaFree(local);
     if (unfused_buffers) cudaFree(unfused_buffers);
@@ -164,6 +168,7 @@ struct Layer::Impl {
   Status barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
                          __nv_bfloat16* out, cudaStream_t stream);
   Status earlier_failure() const;
+  Status routing_report();
   // Grid of the warp-per-row kernels (dispatch, combine, SwiGLU backward): a few waves of CTAs
   // with the GPU to themselves, or one big CTA on each of the side_sms SMs the backward's GEMMs
   // leave free.
@@ -235,6 +240,11 @@ Status Layer::Impl::allocate() {
   *diagnostic = kernels::MegakernelDiagnostic{};
   EPFLOW_CUDA_RETURN(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&diagnostic_device), diagnostic, 0));
+  EPFLOW_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&routing_check),
+                                   sizeof(kernels::RoutingCheck), cudaHostAllocMapped));
+  *routing_check = kernels::RoutingCheck{};
+  EPFLOW_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&routing_check_device),
+                                              routing_check, 0));
   EPFLOW_CUDA_RETURN(cudaMemset(static_cast<char*>(window.local()) + layout.flags, 0,
                                 sizeof(uint64_t) * Limits::kMaxEpSize));
   EPFLOW_CUDA_RETURN(cudaDeviceSynchronize());
@@ -425,6 +435,7 @@ Status Layer::Impl::barrier_and_sum(int64_t T, const int32_t* topk_idx, const fl
   ws.top_k = c.top_k;
   ws.num_experts = c.num_experts;
   ws.y = out;
+  ws.check = routing_check_device;
   EPFLOW_CUDA_RETURN(kernels::launch_weighted_sum(ws, stream));
   return Status::ok_status();
 }
@@ -700,13 +711,38 @@ Status with_device_failure(const Layer& layer, Status s) {
   return why.ok() ? s : error_status(why.code(), s.message(), ": ", why.message());
 }
 
+// What the weighted sums found wrong in topk_idx since the last report, then cleared. NOTES: the
+// device may be adding to it while the host reads (a later call's kernels): a report can miss a
+// slot of a call still running, which the next report then has.
+Status Layer::Impl::routing_report() {
+  volatile kernels::RoutingCheck* r = routing_check;
+  const uint32_t bad = r->bad_slots;
+  if (bad == 0) return Status::ok_status();
+  const uint32_t duplicated = r->duplicated_slots;
+  std::string first = "(details still being written)";
+  if (r->published) {
+    first = "first seen: token " + std::to_string(r->token) + ", slot " + std::to_string(r->k) +
+            ", expert id " + std::to_string(r->id) +
+            (r->duplicate ? " (repeats an earlier slot of the token)"
+                          : " (outside [-1, " + std::to_string(config.num_experts) + "))");
+  }
+  *routing_check = kernels::RoutingCheck{};
+  return error_status(StatusCode::kInvalidArgument, "topk_idx of rank ", config.ep_rank,
+                      " had ", bad, " bad slots in calls since the last report (",
+                      duplicated, " repeating an expert of the same token, ", bad - duplicated,
+                      " out of range: skipped); ", first);
+}
+
+Status Layer::check_routing() { return impl_->routing_report(); }
+
 Status Layer::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, args));
   if (saved && !impl_->config.with_backward)
     return error_status(StatusCode::kInvalidArgument,
                         "forward() with a SavedContext needs a layer created with "
                         "LayerConfig::with_backward (it keeps g | u for the backward)");
-  return with_device_failure(*this, impl_->forward(args, stream, saved, nullptr));
+  EPFLOW_RETURN_IF_ERROR(with_device_failure(*this, impl_->forward(args, stream, saved, nullptr)));
+  return impl_->routing_report();
 }
 
 Status LayerInternals::use_unfused_forward(Layer& layer, bool unfused) {
@@ -747,7 +783,8 @@ Status LayerInternals::forward_with_stage_events(Layer& layer, const ForwardArgs
 
 Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream) {
   EPFLOW_RETURN_IF_ERROR(validate(impl_->config, saved, args));
-  return with_device_failure(*this, impl_->backward(args, saved, stream, nullptr));
+  EPFLOW_RETURN_IF_ERROR(with_device_failure(*this, impl_->backward(args, saved, stream, nullptr)));
+  return impl_->routing_report();
 }
 
 Status LayerInternals::set_backward_side_sms(Layer& layer, int32_t side_sms) {

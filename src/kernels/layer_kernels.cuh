@@ -113,9 +113,21 @@ struct SwigluBackwardArgs {
 cudaError_t launch_swiglu_backward(const SwigluBackwardArgs& args, int32_t blocks,
                                    cudaStream_t stream);
 
+// What the weighted sum found wrong in a call's topk_idx (host-mapped; the host reads and clears
+// it): slots whose id is outside [-1, num_experts) (the schedule skipped them) or repeats an
+// expert of an earlier slot of the same token (computed twice, as two slots). The first bad slot
+// a thread counts (bad_slots 0 -> 1) fills token, k, id, duplicate and then sets published.
+struct RoutingCheck {
+  uint32_t bad_slots;
+  uint32_t duplicated_slots;
+  int64_t token;
+  int32_t k, id, duplicate;
+  uint32_t published;
+};
+
 // y[t] = sum_k w[t,k] * combine[t*K + k], k ascending, fp32 sums, bf16 out; slots whose expert
 // id is outside [0, num_experts) contribute nothing. Without topk_weights, w = 1 (the backward's
-// dx, whose rows arrive already weighted).
+// dx, whose rows arrive already weighted). With check, the token's ids are checked too.
 struct WeightedSumArgs {
   const __nv_bfloat16* combine = nullptr;  // local window [T * K, H]
   const int32_t* topk_idx = nullptr;
@@ -125,6 +137,7 @@ struct WeightedSumArgs {
   int32_t top_k = 0;
   int32_t num_experts = 0;
   __nv_bfloat16* y = nullptr;
+  RoutingCheck* check = nullptr;  // optional, host-mapped (device pointer)
 };
 cudaError_t launch_weighted_sum(const WeightedSumArgs& args, cudaStream_t stream);
 

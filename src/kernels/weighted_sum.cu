@@ -12,12 +12,36 @@ constexpr int kThreads = 256;
 // adds each slot as it arrives) left the kernel at ~93% of the HBM copy rate.
 constexpr int kBatch = 8;
 
+// One thread per token (the one of its first 8 columns): out-of-range ids and experts repeated
+// within the token's top-k. NOTES: K <= 16, so at most 120 comparisons of ids the sum loads
+// anyway; system-scope atomics: the struct lives in host memory.
+__device__ void check_token_ids(const WeightedSumArgs& a, int64_t t) {
+  const int32_t* ids = a.topk_idx + t * a.top_k;
+  for (int32_t k = 0; k < a.top_k; ++k) {
+    const int32_t e = ids[k];
+    bool duplicate = false;
+    if (e >= 0 && e < a.num_experts)
+      for (int32_t j = 0; j < k && !duplicate; ++j) duplicate = ids[j] == e;
+    if (!duplicate && e >= -1 && e < a.num_experts) continue;
+    if (duplicate) atomicAdd_system(&a.check->duplicated_slots, 1u);
+    if (atomicAdd_system(&a.check->bad_slots, 1u) == 0) {
+      a.check->token = t;
+      a.check->k = k;
+      a.check->id = e;
+      a.check->duplicate = duplicate;
+      __threadfence_system();
+      atomicExch_system(&a.check->published, 1u);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) weighted_sum_kernel(WeightedSumArgs a) {
   const int64_t vecs_per_row = a.hidden / 8;
   const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (i >= a.num_tokens * vecs_per_row) return;
   const int64_t t = i / vecs_per_row;
   const int64_t v = i % vecs_per_row;
+  if (a.check && v == 0) check_token_ids(a, t);
   float acc[8] = {};
   for (int32_t k0 = 0; k0 < a.top_k; k0 += kBatch) {
     int4 raw[kBatch];

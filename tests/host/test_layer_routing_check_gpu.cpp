@@ -1,0 +1,88 @@
+// Bad routing never passes silently (issue [H]): a topk_idx with an expert id out of range and an
+// expert repeated within a token's top-k is reported, once, by Layer::check_routing (or by the
+// call after it), with the first bad slot; the report is then cleared and good calls report
+// nothing. The call with bad ids still runs to the end (peers are never left waiting).
+#include <gtest/gtest.h>
+
+#include <cuda_bf16.h>
+
+#include <vector>
+
+#include "layer_gpu_harness.h"
+
+namespace epflow {
+namespace {
+
+Status forward_with_ids(Layer& layer, const std::vector<int32_t>& ids, void* buffers) {
+  const LayerConfig& c = layer.config();
+  const int64_t T = static_cast<int64_t>(ids.size()) / c.top_k, H = c.hidden, I = c.intermediate;
+  const int64_t E = c.experts_per_rank();
+  auto* w = static_cast<__nv_bfloat16*>(buffers);  // weights, then x, then y (zeros: finite)
+  auto* x = w + 3 * E * I * H;
+  auto* y = x + T * H;
+  auto* idx = reinterpret_cast<int32_t*>(y + T * H);
+  auto* tw = reinterpret_cast<float*>(idx + T * c.top_k);
+  EPFLOW_TRY_CUDA(cudaMemcpy(idx, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  ForwardArgs f;
+  f.num_tokens = T;
+  f.x = x;
+  f.topk_idx = idx;
+  f.topk_weights = tw;
+  f.weights = {w, w + E * I * H, w + 2 * E * I * H};
+  f.y = y;
+  return layer.forward(f, nullptr, nullptr);
+}
+
+TEST(LayerRoutingCheckGpu, ReportsOutOfRangeAndRepeatedExpertsOnce) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = 128;
+  c.num_experts = 8;
+  c.top_k = 4;
+  c.max_tokens_per_rank = 8;
+  const Status s = run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
+    std::unique_ptr<Layer> layer;
+    if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
+    void* buffers = nullptr;
+    const size_t bytes = 2 * (3 * 8 * 128 * 256 + 2 * 8 * 256) + 8 * 8 * 4;
+    EPFLOW_TRY_CUDA(cudaMalloc(&buffers, bytes));
+    EPFLOW_TRY_CUDA(cudaMemset(buffers, 0, bytes));
+    std::vector<int32_t> good(8 * 4);
+    for (int t = 0; t < 8; ++t)
+      for (int k = 0; k < 4; ++k) good[t * 4 + k] = (t + k) % 8;
+    good[2 * 4 + 3] = -1;  // an empty slot is fine
+    std::vector<int32_t> bad = good;
+    bad[3 * 4 + 1] = 99;  // out of range: token 3, slot 1
+    bad[5 * 4 + 2] = bad[5 * 4 + 0];  // token 5's slot 2 repeats its slot 0's expert
+    const Status during = forward_with_ids(*layer, bad, buffers);
+    EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+    const Status after = layer->check_routing();
+    // The report comes from whichever looked once the check had run (almost always `after`).
+    const Status& report = during.ok() ? after : during;
+    Status result = Status::ok_status();
+    if (report.code() != StatusCode::kInvalidArgument)
+      result = Status(StatusCode::kInternal, "bad ids not reported: " + report.to_string());
+    else if (during.ok() && (report.message().find("2 bad slots") == std::string::npos ||
+                             report.message().find("1 repeating") == std::string::npos ||
+                             report.message().find("first seen: token") == std::string::npos))
+      result = Status(StatusCode::kInternal, "unexpected report: " + report.to_string());
+    if (result.ok() && !layer->check_routing().ok())
+      result = Status(StatusCode::kInternal, "the report was not cleared");
+    if (result.ok()) {
+      const Status again = forward_with_ids(*layer, good, buffers);
+      EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+      const Status check = layer->check_routing();
+      if (!again.ok() || !check.ok())
+        result = Status(StatusCode::kInternal, "good ids reported: " + again.to_string() + " / " +
+                                                   check.to_string());
+    }
+    layer.reset();
+    cudaFree(buffers);
+    return result;
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+}  // namespace
+}  // namespace epflow
