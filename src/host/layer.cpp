@@ -191,8 +191,55 @@ struct Layer::Impl {
                   const cudaEvent_t* marks);
 };
 
+namespace {
+
+// Every rank of the communicator must create the layer with the same shape: one all-reduce of
+// the fields (max of each value and of its negation) before the first collective that depends
+// on them (the symmetric window's registration), so a mismatch is an error on every rank
+// instead of a hang. The knobs (comm_sms, minibatch_rows, ring_rows, timeout) may differ.
+Status agree_on_config(const LayerConfig& c, ncclComm_t comm) {
+  const std::pair<const char*, int64_t> fields[] = {
+      {"hidden", c.hidden},
+      {"intermediate", c.intermediate},
+      {"num_experts", c.num_experts},
+      {"top_k", c.top_k},
+      {"max_tokens_per_rank", c.max_tokens_per_rank},
+      {"dtype", static_cast<int64_t>(c.dtype)},
+      {"with_backward", c.with_backward ? 1 : 0}};
+  constexpr int kFields = sizeof(fields) / sizeof(fields[0]);
+  int64_t host[2 * kFields];
+  for (int i = 0; i < kFields; ++i) {
+    host[i] = fields[i].second;
+    host[kFields + i] = -fields[i].second;
+  }
+  int64_t* dev = nullptr;
+  EPFLOW_CUDA_RETURN(cudaMalloc(&dev, sizeof(host)));
+  cudaError_t e = cudaMemcpy(dev, host, sizeof(host), cudaMemcpyHostToDevice);
+  ncclResult_t r = ncclSuccess;
+  if (e == cudaSuccess) r = ncclAllReduce(dev, dev, 2 * kFields, ncclInt64, ncclMax, comm, nullptr);
+  if (e == cudaSuccess && r == ncclSuccess)
+    e = cudaMemcpy(host, dev, sizeof(host), cudaMemcpyDeviceToHost);
+  cudaFree(dev);
+  if (r != ncclSuccess)
+    return error_status(StatusCode::kNcclError, "config agreement: ", ncclGetErrorString(r));
+  EPFLOW_CUDA_RETURN(e);
+  std::string differ;
+  for (int i = 0; i < kFields; ++i)
+    if (host[i] != -host[kFields + i])
+      differ += (differ.empty() ? "" : ", ") + std::string(fields[i].first) + " from " +
+                std::to_string(-host[kFields + i]) + " to " + std::to_string(host[i]);
+  if (!differ.empty())
+    return error_status(StatusCode::kInvalidArgument, "LayerConfig differs across the ",
+                        c.ep_size, " ranks of the communicator (", differ,
+                        "): every rank must create the layer with the same shape");
+  return Status::ok_status();
+}
+
+}  // namespace
+
 Status Layer::Impl::allocate() {
   const LayerConfig& c = config;
+  EPFLOW_RETURN_IF_ERROR(agree_on_config(c, comm));
   layout = kernels::WindowLayout::make(c.max_tokens_per_rank, c.hidden, c.top_k);
   EPFLOW_RETURN_IF_ERROR(comm::LsaWindow::create(comm, layout.bytes, &window));
   for (int32_t r = 0; r < c.ep_size; ++r) peers.base[r] = window.peer_bases()[r];

@@ -1,7 +1,9 @@
-// Bad routing never passes silently (issue [H]): a topk_idx with an expert id out of range and an
-// expert repeated within a token's top-k is reported, once, by Layer::check_routing (or by the
-// call after it), with the first bad slot; the report is then cleared and good calls report
-// nothing. The call with bad ids still runs to the end (peers are never left waiting).
+// Robustness at the layer's boundary (issue [H]). Bad routing never passes silently: a topk_idx
+// with an expert id out of range and an expert repeated within a token's top-k is reported,
+// once, by Layer::check_routing (or by the call after it), with the first bad slot; the report
+// is then cleared and good calls report nothing; the call with bad ids still runs to the end
+// (peers are never left waiting). Configs that differ across ranks fail Layer::create on every
+// rank, naming the field, instead of hanging.
 #include <gtest/gtest.h>
 
 #include <cuda_bf16.h>
@@ -33,7 +35,7 @@ Status forward_with_ids(Layer& layer, const std::vector<int32_t>& ids, void* buf
   return layer.forward(f, nullptr, nullptr);
 }
 
-TEST(LayerRoutingCheckGpu, ReportsOutOfRangeAndRepeatedExpertsOnce) {
+TEST(LayerRobustnessGpu, ReportsOutOfRangeAndRepeatedExpertsOnce) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
   LayerConfig c;
   c.hidden = 256;
@@ -82,6 +84,30 @@ TEST(LayerRoutingCheckGpu, ReportsOutOfRangeAndRepeatedExpertsOnce) {
     return result;
   });
   ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST(LayerRobustnessGpu, ConfigsThatDifferAcrossRanksFailCreateOnEveryRank) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  std::vector<Status> created(2);
+  const Status s = run_on_local_gpus(2, [&](int rank, ncclComm_t comm) -> Status {
+    LayerConfig c;
+    c.hidden = rank == 0 ? 256 : 512;
+    c.intermediate = 128;
+    c.num_experts = 8;
+    c.top_k = 4;
+    c.ep_size = 2;
+    c.ep_rank = rank;
+    c.max_tokens_per_rank = 64;
+    std::unique_ptr<Layer> layer;
+    created[rank] = Layer::create(c, comm, &layer);
+    return Status::ok_status();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(created[rank].code(), StatusCode::kInvalidArgument) << created[rank].to_string();
+    EXPECT_NE(created[rank].message().find("hidden from 256 to 512"), std::string::npos)
+        << created[rank].to_string();
+  }
 }
 
 }  // namespace
