@@ -104,8 +104,9 @@ class Layer {
   // Why the layer's last kernels failed, if one of its waits timed out. A wait that times out
   // traps its kernel, which the stream then reports only as cudaErrorLaunchFailure; call this
   // after such an error: kTimeout naming the rank, the SM partition, the task and the counter it
-  // waited for, or ok when no wait of this layer timed out. Reads host memory only (safe after
-  // the CUDA context is lost).
+  // waited for (a megakernel wait), or the peer that never arrived (a barrier between the
+  // ranks), or ok when no wait of this layer timed out. Reads host memory only (safe after the
+  // CUDA context is lost).
   Status device_failure() const;
 
  private:

@@ -108,6 +108,9 @@ struct Layer::Impl {
   // Host-mapped: where a timed-out wait inside the megakernel says who waited for what.
   kernels::MegakernelDiagnostic* diagnostic = nullptr;
   kernels::MegakernelDiagnostic* diagnostic_device = nullptr;
+  // Host-mapped: the first barrier wait that timed out (Layer::device_failure).
+  kernels::BarrierTimeout* barrier_timeout = nullptr;
+  kernels::BarrierTimeout* barrier_timeout_device = nullptr;
   // Host-mapped: bad topk_idx slots the weighted sums found (Layer::check_routing).
   kernels::RoutingCheck* routing_check = nullptr;
   kernels::RoutingCheck* routing_check_device = nullptr;
@@ -145,6 +148,7 @@ struct Layer::Impl {
   ~Impl() {
     if (diagnostic) cudaFreeHost(diagnostic);
     if (routing_check) cudaFreeHost(routing_check);
+    if (barrier_timeout) cudaFreeHost(barrier_timeout);
     if (trace) cudaFree(trace);
     if (local) cudaFree(local);
     if (unfused_buffers) cudaFree(unfused_buffers);
@@ -168,6 +172,7 @@ struct Layer::Impl {
   Status barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
                          __nv_bfloat16* out, cudaStream_t stream);
   Status earlier_failure() const;
+  Status device_failure() const;
   Status routing_report();
   // Grid of the warp-per-row kernels (dispatch, combine, SwiGLU backward): a few waves of CTAs
   // with the GPU to themselves, or one big CTA on each of the side_sms SMs the backward's GEMMs
@@ -287,6 +292,11 @@ Status Layer::Impl::allocate() {
   *diagnostic = kernels::MegakernelDiagnostic{};
   EPFLOW_CUDA_RETURN(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&diagnostic_device), diagnostic, 0));
+  EPFLOW_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&barrier_timeout),
+                                   sizeof(kernels::BarrierTimeout), cudaHostAllocMapped));
+  *barrier_timeout = kernels::BarrierTimeout{};
+  EPFLOW_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&barrier_timeout_device),
+                                              barrier_timeout, 0));
   EPFLOW_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&routing_check),
                                    sizeof(kernels::RoutingCheck), cudaHostAllocMapped));
   *routing_check = kernels::RoutingCheck{};
@@ -432,6 +442,7 @@ kernels::BarrierArgs Layer::Impl::barrier_args(int64_t T, kernels::BarrierPhase 
   b.timeout_ns = static_cast<int64_t>(config.timeout_seconds * 1e9);
   b.phase = phase;
   b.my_tokens = T;
+  b.timeout_report = barrier_timeout_device;
   return b;
 }
 
@@ -490,9 +501,24 @@ Status Layer::Impl::barrier_and_sum(int64_t T, const int32_t* topk_idx, const fl
 // A wait of an earlier call that timed out trapped its kernel (the CUDA context is gone); say
 // where, read from host-mapped memory without touching the device.
 Status Layer::Impl::earlier_failure() const {
-  if (!diagnostic->set) return Status::ok_status();
+  const Status why = device_failure();
+  if (why.ok()) return why;
   return error_status(StatusCode::kTimeout, "an earlier call failed on the device: ",
-                      kernels::describe(*diagnostic));
+                      why.message());
+}
+
+// The megakernel's timed-out wait, else the barrier's, else ok. Host memory only.
+Status Layer::Impl::device_failure() const {
+  if (diagnostic->set) return error_status(StatusCode::kTimeout, kernels::describe(*diagnostic));
+  const volatile kernels::BarrierTimeout* b = barrier_timeout;
+  if (!b->set) return Status::ok_status();
+  return error_status(StatusCode::kTimeout, "rank ", b->rank, " timed out after ", b->seconds,
+                      " s in the ",
+                      b->phase == static_cast<int32_t>(kernels::BarrierPhase::kDispatch)
+                          ? "dispatch barrier (before pulling tokens)"
+                          : "combine barrier (after pushing results)",
+                      ", epoch ", b->epoch, ": rank ", b->peer,
+                      " never arrived (its last epoch here: ", b->seen, ")");
 }
 
 Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedContext* saved,
@@ -744,11 +770,7 @@ Status Layer::create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr
   return Status::ok_status();
 }
 
-Status Layer::device_failure() const {
-  const kernels::MegakernelDiagnostic* d = impl_->diagnostic;
-  if (!d->set) return Status::ok_status();
-  return error_status(StatusCode::kTimeout, kernels::describe(*d));
-}
+Status Layer::device_failure() const { return impl_->device_failure(); }
 
 // A launch fails with cudaErrorLaunchFailure once an earlier kernel of the layer trapped on a
 // timed-out wait: add which wait it was.

@@ -40,6 +40,15 @@ struct WindowLayout {
 // missing rank. If tokens_out is set, first publishes this rank's T and, once every rank has
 // arrived, gathers all ranks' T into tokens_out[world].
 enum class BarrierPhase : int32_t { kDispatch = 0, kCombine = 1 };
+// Host-mapped: the first barrier wait of the layer that timed out (the kernel then traps, which
+// the stream reports only as a launch failure). claimed: taken by the first timed-out thread;
+// set: written last, once the other fields are.
+struct BarrierTimeout {
+  uint32_t claimed, set;
+  int32_t rank, peer, phase;
+  uint64_t epoch, seen;
+  double seconds;
+};
 struct BarrierArgs {
   PeerWindows peers;
   WindowLayout layout;
@@ -50,6 +59,7 @@ struct BarrierArgs {
   BarrierPhase phase = BarrierPhase::kDispatch;
   int64_t my_tokens = 0;
   int64_t* tokens_out = nullptr;
+  BarrierTimeout* timeout_report = nullptr;  // optional (device pointer of host-mapped memory)
 };
 cudaError_t launch_rank_barrier(const BarrierArgs& args, cudaStream_t stream);
 

@@ -38,6 +38,17 @@ __global__ void rank_barrier_kernel(BarrierArgs a) {
     uint64_t seen;
     while ((seen = flag.load(cuda::memory_order_acquire)) < e) {
       if (clock.expired(a.timeout_ns)) {
+        BarrierTimeout* r = a.timeout_report;
+        if (r && atomicCAS_system(&r->claimed, 0u, 1u) == 0u) {
+          r->rank = a.rank;
+          r->peer = peer;
+          r->phase = static_cast<int32_t>(a.phase);
+          r->epoch = e;
+          r->seen = seen;
+          r->seconds = a.timeout_ns * 1e-9;
+          __threadfence_system();
+          atomicExch_system(&r->set, 1u);
+        }
         printf("EPFlow: rank %d timed out after %.3f s in the %s barrier, epoch %llu: rank %d "
                "never arrived (its last epoch here: %llu)\n",
                a.rank, a.timeout_ns * 1e-9, phase_name(a.phase),

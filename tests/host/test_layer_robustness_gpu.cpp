@@ -8,6 +8,9 @@
 
 #include <cuda_bf16.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <vector>
 
 #include "layer_gpu_harness.h"
@@ -108,6 +111,58 @@ TEST(LayerRobustnessGpu, ConfigsThatDifferAcrossRanksFailCreateOnEveryRank) {
     EXPECT_NE(created[rank].message().find("hidden from 256 to 512"), std::string::npos)
         << created[rank].to_string();
   }
+}
+
+// A rank that never arrives (rank 1 skips the call) makes the other rank's call fail within its
+// timeout with an error naming the missing peer, never a hang. NOTES: the barrier traps, which
+// ends rank 0's CUDA context, so this test comes last in the file (ctest runs each test in its
+// own process anyway); rank 1 waits for rank 0 to have failed before tearing down.
+TEST(LayerRobustnessGpu, MissingPeerIsNamedWithinTheTimeout) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  std::atomic<bool> rank0_done{false};
+  Status failure = Status::ok_status();
+  const Status s = run_on_local_gpus(2, [&](int rank, ncclComm_t comm) -> Status {
+    LayerConfig c;
+    c.hidden = 256;
+    c.intermediate = 128;
+    c.num_experts = 8;
+    c.top_k = 4;
+    c.ep_size = 2;
+    c.ep_rank = rank;
+    c.max_tokens_per_rank = 8;
+    c.timeout_seconds = 0.5;
+    std::unique_ptr<Layer> layer;
+    if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
+    if (rank == 1) {  // skips the call
+      while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return Status::ok_status();
+    }
+    void* buffers = nullptr;
+    const size_t bytes = 2 * (3 * 4 * 128 * 256 + 2 * 8 * 256) + 8 * 8 * 4;
+    Status result = Status(StatusCode::kInternal, "cudaMalloc failed");
+    if (cudaMalloc(&buffers, bytes) == cudaSuccess && cudaMemset(buffers, 0, bytes) == cudaSuccess) {
+      std::vector<int32_t> ids(8 * 4, -1);
+      for (int t = 0; t < 8; ++t) ids[t * 4] = t % 8;
+      const auto start = std::chrono::steady_clock::now();
+      Status call = forward_with_ids(*layer, ids, buffers);
+      const cudaError_t e = cudaDeviceSynchronize();
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      failure = layer->device_failure();
+      if (call.ok() && e == cudaSuccess)
+        result = Status(StatusCode::kInternal, "the call succeeded without its peer");
+      else if (seconds > 10.0)
+        result = Status(StatusCode::kInternal, "took " + std::to_string(seconds) + " s");
+      else
+        result = Status::ok_status();
+    }
+    rank0_done.store(true);
+    return result;
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(failure.code(), StatusCode::kTimeout) << failure.to_string();
+  for (const char* part : {"rank 0 timed out", "dispatch barrier", "rank 1 never arrived"})
+    EXPECT_NE(failure.message().find(part), std::string::npos) << failure.to_string();
 }
 
 }  // namespace
