@@ -1,6 +1,6 @@
 // The GPU backward of the whole layer against the CPU reference backward (itself checked by
 // finite differences): dx, d topk_weights and the three weight gradients of every rank, at EP=1
-// and EP=2 (a thread per GPU), with imbalanced routing, empty experts, empty slots, T not a tile
+// and EP=2 (a thread per GPU), with imbalanced routing, every token to one expert, empty experts, empty slots, T not a tile
 // multiple, T different on each rank and T = 0 on one rank, a forward ring that wraps (the
 // backward reads the g | u the megakernel kept by pull-table row, not by ring slot) and an I that
 // ends in a partial gate/up tile; fp32 gradients written, then accumulated (a second backward
@@ -270,6 +270,8 @@ TEST(LayerBackwardGpu, Ep2DifferentTokenCountsAndAnEmptyRank) {
   run_and_check(c, testing::make_call(c, {300, 77}, Routing::kUniform, 5));
   run_and_check(c, testing::make_call(c, {0, 513}, Routing::kImbalanced, 6));
   run_and_check(c, testing::make_call(c, {129, 128}, Routing::kWithEmptySlots, 7));
+  // Every token of both ranks to expert 0 (rank 0's): 1 routed slot per token, all on one GPU.
+  run_and_check(c, testing::make_call(c, {600, 451}, Routing::kSingleExpert, 13));
   GradOptions repeat;
   repeat.check_repeatable = true;
   run_and_check(c, testing::make_call(c, {200, 150}, Routing::kImbalanced, 8), repeat);
