@@ -3,10 +3,10 @@
 // and EP=2 (a thread per GPU), with imbalanced routing, every token to one expert, empty experts,
 // empty slots, T not a tile multiple, T different on each rank and T = 0 on one rank, a forward
 // ring that wraps (the backward reads the g | u the megakernel kept by pull-table row, not by
-// ring slot) and an I that ends in a partial gate/up tile; fp32 gradients written, then accumulated (a second backward
-// doubles them), and bf16 gradients; a repeated backward gives bitwise the same gradients (no
-// atomics, fixed summation orders), and so does forward + backward captured in a CUDA graph and
-// replayed. Outputs are poisoned first.
+// ring slot) and an I that ends in a partial gate/up tile; fp32 gradients written, then
+// accumulated (a second backward doubles them), and bf16 gradients; a repeated backward gives
+// bitwise the same gradients (no atomics, fixed summation orders), and so does forward +
+// backward captured in a CUDA graph and replayed. Outputs are poisoned first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
