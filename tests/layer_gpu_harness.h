@@ -38,6 +38,24 @@ inline int device_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
+// A layer of `world` ranks with `experts_per_rank` experts each.
+inline LayerConfig shape_config(int world, int64_t hidden, int64_t intermediate,
+                                int32_t experts_per_rank, int32_t top_k, int64_t max_tokens) {
+  LayerConfig c;
+  c.hidden = hidden;
+  c.intermediate = intermediate;
+  c.num_experts = experts_per_rank * world;
+  c.top_k = top_k;
+  c.ep_size = world;
+  c.max_tokens_per_rank = max_tokens;
+  return c;
+}
+
+// The tests' small shape: H 256, I 128, 8 experts per rank, top-4.
+inline LayerConfig small_config(int world, int64_t max_tokens) {
+  return shape_config(world, 256, 128, 8, 4, max_tokens);
+}
+
 }  // namespace epflow::testing
 
 // Skips the test (saying why) unless n CUDA devices are present.

@@ -235,14 +235,9 @@ void run_and_check(const LayerConfig& c, const CallInputs& in, const GradOptions
   }
 }
 
+// The harness's small shape, created for the backward.
 LayerConfig small_config(int world, int64_t max_tokens) {
-  LayerConfig c;
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 8 * world;
-  c.top_k = 4;
-  c.ep_size = world;
-  c.max_tokens_per_rank = max_tokens;
+  LayerConfig c = testing::small_config(world, max_tokens);
   c.with_backward = true;
   return c;
 }

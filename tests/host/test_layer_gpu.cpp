@@ -17,22 +17,8 @@ namespace {
 using synthetic::Routing;
 using testing::CallInputs;
 
-// A layer of `world` ranks with `experts_per_rank` experts each.
-LayerConfig shape_config(int world, int64_t hidden, int64_t intermediate, int32_t experts_per_rank,
-                         int32_t top_k, int64_t max_tokens) {
-  LayerConfig c;
-  c.hidden = hidden;
-  c.intermediate = intermediate;
-  c.num_experts = experts_per_rank * world;
-  c.top_k = top_k;
-  c.ep_size = world;
-  c.max_tokens_per_rank = max_tokens;
-  return c;
-}
-
-LayerConfig small_config(int world, int64_t max_tokens) {
-  return shape_config(world, 256, 128, 8, 4, max_tokens);
-}
+using testing::shape_config;
+using testing::small_config;
 
 // Runs the calls and checks each against the reference (all tokens for small shapes).
 void run_and_check(const LayerConfig& c, const std::vector<CallInputs>& calls,

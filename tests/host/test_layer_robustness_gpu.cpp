@@ -38,19 +38,28 @@ Status forward_with_ids(Layer& layer, const std::vector<int32_t>& ids, void* buf
   return layer.forward(f, nullptr, nullptr);
 }
 
+// The harness's small shape on rank `rank` of `world`.
+LayerConfig small_config(int world, int rank, int64_t max_tokens) {
+  LayerConfig c = testing::small_config(world, max_tokens);
+  c.ep_rank = rank;
+  return c;
+}
+
+// forward_with_ids' buffers: the weights, x and y (bf16), topk_idx and topk_weights.
+size_t buffer_bytes(const LayerConfig& c) {
+  return 2 * (3 * c.experts_per_rank() * c.intermediate * c.hidden +
+              2 * c.max_tokens_per_rank * c.hidden) +
+         8 * c.max_tokens_per_rank * c.top_k;
+}
+
 TEST(LayerRobustnessGpu, ReportsOutOfRangeAndRepeatedExpertsOnce) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
-  LayerConfig c;
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 8;
-  c.top_k = 4;
-  c.max_tokens_per_rank = 8;
+  const LayerConfig c = small_config(1, 0, 8);
   const Status s = run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
     std::unique_ptr<Layer> layer;
     if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
     void* buffers = nullptr;
-    const size_t bytes = 2 * (3 * 8 * 128 * 256 + 2 * 8 * 256) + 8 * 8 * 4;
+    const size_t bytes = buffer_bytes(c);
     EPFLOW_TRY_CUDA(cudaMalloc(&buffers, bytes));
     EPFLOW_TRY_CUDA(cudaMemset(buffers, 0, bytes));
     std::vector<int32_t> good(8 * 4);
@@ -93,14 +102,8 @@ TEST(LayerRobustnessGpu, ConfigsThatDifferAcrossRanksFailCreateOnEveryRank) {
   EPFLOW_SKIP_WITHOUT_GPUS(2);
   std::vector<Status> created(2);
   const Status s = run_on_local_gpus(2, [&](int rank, ncclComm_t comm) -> Status {
-    LayerConfig c;
+    LayerConfig c = small_config(2, rank, 64);
     c.hidden = rank == 0 ? 256 : 512;
-    c.intermediate = 128;
-    c.num_experts = 8;
-    c.top_k = 4;
-    c.ep_size = 2;
-    c.ep_rank = rank;
-    c.max_tokens_per_rank = 64;
     std::unique_ptr<Layer> layer;
     created[rank] = Layer::create(c, comm, &layer);
     return Status::ok_status();
@@ -122,14 +125,7 @@ TEST(LayerRobustnessGpu, MissingPeerIsNamedWithinTheTimeout) {
   std::atomic<bool> rank0_done{false};
   Status failure = Status::ok_status();
   const Status s = run_on_local_gpus(2, [&](int rank, ncclComm_t comm) -> Status {
-    LayerConfig c;
-    c.hidden = 256;
-    c.intermediate = 128;
-    c.num_experts = 8;
-    c.top_k = 4;
-    c.ep_size = 2;
-    c.ep_rank = rank;
-    c.max_tokens_per_rank = 8;
+    LayerConfig c = small_config(2, rank, 8);
     c.timeout_seconds = 0.5;
     std::unique_ptr<Layer> layer;
     if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
@@ -138,7 +134,7 @@ TEST(LayerRobustnessGpu, MissingPeerIsNamedWithinTheTimeout) {
       return Status::ok_status();
     }
     void* buffers = nullptr;
-    const size_t bytes = 2 * (3 * 4 * 128 * 256 + 2 * 8 * 256) + 8 * 8 * 4;
+    const size_t bytes = buffer_bytes(c);
     Status result = Status(StatusCode::kInternal, "cudaMalloc failed");
     if (cudaMalloc(&buffers, bytes) == cudaSuccess && cudaMemset(buffers, 0, bytes) == cudaSuccess) {
       std::vector<int32_t> ids(8 * 4, -1);
