@@ -140,7 +140,7 @@ struct Layer::Impl {
   // side_sms = 0: everything on the caller's stream, one after the other.
   int32_t side_sms = 0;  // plan.backward_side_sms unless set (LayerInternals)
   cudaStream_t side = nullptr;
-  cudaEvent_t scheduled = nullptr, x_pulled = nullptr, dx_ready = nullptr, dx_pushed = nullptr;
+  cudaEvent_t dy_pulled = nullptr, x_pulled = nullptr, dx_ready = nullptr, dx_pushed = nullptr;
 
   uint64_t generation = 0;
   MemoryReport memory;
@@ -154,7 +154,7 @@ struct Layer::Impl {
     if (unfused_buffers) cudaFree(unfused_buffers);
     if (backward_buffers) cudaFree(backward_buffers);
     if (saved_gate_up) cudaFree(saved_gate_up);
-    for (cudaEvent_t e : {scheduled, x_pulled, dx_ready, dx_pushed})
+    for (cudaEvent_t e : {dy_pulled, x_pulled, dx_ready, dx_pushed})
       if (e) cudaEventDestroy(e);
     if (side) cudaStreamDestroy(side);
     window.destroy();
@@ -578,7 +578,7 @@ Status Layer::Impl::allocate_backward() {
   }
   memory.backward_bytes = static_cast<int64_t>(bytes);
   EPFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-  for (cudaEvent_t* e : {&scheduled, &x_pulled, &dx_ready, &dx_pushed})
+  for (cudaEvent_t* e : {&dy_pulled, &x_pulled, &dx_ready, &dx_pushed})
     EPFLOW_CUDA_RETURN(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   return Status::ok_status();
 }
@@ -637,9 +637,9 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   // CTAs and the side kernels on side_sms CTAs of a whole SM's threads, so both are resident at
   // once whichever starts first (a GEMM CTA fills an SM's register file).
   EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream, whole_gpu(), true));
-  EPFLOW_CUDA_RETURN(cudaEventRecord(scheduled, stream));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(dy_pulled, stream));
   cudaStream_t aside = side_sms > 0 ? side : stream;
-  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(aside, scheduled, 0));
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(aside, dy_pulled, 0));
   EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, aside, beside_gemms(), true));
   EPFLOW_CUDA_RETURN(cudaEventRecord(x_pulled, aside));
   EPFLOW_CUDA_RETURN(mark());
