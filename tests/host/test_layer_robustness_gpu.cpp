@@ -2,13 +2,16 @@
 // with an expert id out of range and an expert repeated within a token's top-k is reported,
 // once, by Layer::check_routing (or by the call after it), with the first bad slot; the report
 // is then cleared and good calls report nothing; the call with bad ids still runs to the end
-// (peers are never left waiting). Configs that differ across ranks fail Layer::create on every
-// rank, naming the field, instead of hanging.
+// (peers are never left waiting). NaN and Inf in x stay in their tokens' outputs. Configs that
+// differ across ranks fail Layer::create on every rank, naming the field, instead of hanging. A
+// rank that skips a call makes its peer's call fail within the timeout, naming it.
 #include <gtest/gtest.h>
 
 #include <cuda_bf16.h>
 
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -18,7 +21,11 @@
 namespace epflow {
 namespace {
 
-Status forward_with_ids(Layer& layer, const std::vector<int32_t>& ids, void* buffers) {
+// One forward of T = ids.size() / K tokens on zeroed weights and zeroed x (x_host: these tokens
+// instead); y_host: the output, copied back after a device sync.
+Status forward_with_ids(Layer& layer, const std::vector<int32_t>& ids, void* buffers,
+                        const std::vector<__nv_bfloat16>* x_host = nullptr,
+                        std::vector<__nv_bfloat16>* y_host = nullptr) {
   const LayerConfig& c = layer.config();
   const int64_t T = static_cast<int64_t>(ids.size()) / c.top_k, H = c.hidden, I = c.intermediate;
   const int64_t E = c.experts_per_rank();
@@ -28,6 +35,8 @@ Status forward_with_ids(Layer& layer, const std::vector<int32_t>& ids, void* buf
   auto* idx = reinterpret_cast<int32_t*>(y + T * H);
   auto* tw = reinterpret_cast<float*>(idx + T * c.top_k);
   EPFLOW_TRY_CUDA(cudaMemcpy(idx, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  if (x_host)
+    EPFLOW_TRY_CUDA(cudaMemcpy(x, x_host->data(), x_host->size() * 2, cudaMemcpyHostToDevice));
   ForwardArgs f;
   f.num_tokens = T;
   f.x = x;
@@ -35,7 +44,11 @@ Status forward_with_ids(Layer& layer, const std::vector<int32_t>& ids, void* buf
   f.topk_weights = tw;
   f.weights = {w, w + E * I * H, w + 2 * E * I * H};
   f.y = y;
-  return layer.forward(f, nullptr, nullptr);
+  const Status s = layer.forward(f, nullptr, nullptr);
+  if (!s.ok() || !y_host) return s;
+  y_host->resize(T * H);
+  EPFLOW_TRY_CUDA(cudaMemcpy(y_host->data(), y, T * H * 2, cudaMemcpyDeviceToHost));
+  return s;
 }
 
 // The harness's small shape on rank `rank` of `world`.
@@ -90,6 +103,42 @@ TEST(LayerRobustnessGpu, ReportsOutOfRangeAndRepeatedExpertsOnce) {
       if (!again.ok() || !check.ok())
         result = Status(StatusCode::kInternal, "good ids reported: " + again.to_string() + " / " +
                                                    check.to_string());
+    }
+    layer.reset();
+    cudaFree(buffers);
+    return result;
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+// NaN and Inf in x stay in their tokens' outputs (as in the reference: every GEMM row depends on
+// its own input row only) and the call completes.
+TEST(LayerRobustnessGpu, NanAndInfStayInTheirTokens) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const LayerConfig c = small_config(1, 0, 8);
+  const Status s = run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
+    std::unique_ptr<Layer> layer;
+    if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
+    void* buffers = nullptr;
+    const size_t bytes = buffer_bytes(c);
+    EPFLOW_TRY_CUDA(cudaMalloc(&buffers, bytes));
+    EPFLOW_TRY_CUDA(cudaMemset(buffers, 0, bytes));
+    std::vector<int32_t> ids(8 * 4);
+    for (int t = 0; t < 8; ++t)
+      for (int k = 0; k < 4; ++k) ids[t * 4 + k] = (t + k) % 8;  // tokens share experts
+    std::vector<__nv_bfloat16> x(8 * c.hidden, __float2bfloat16(0.0f));
+    x[2 * c.hidden + 17] = __float2bfloat16(std::numeric_limits<float>::quiet_NaN());
+    x[4 * c.hidden + 5] = __float2bfloat16(std::numeric_limits<float>::infinity());
+    std::vector<__nv_bfloat16> y;
+    Status result = forward_with_ids(*layer, ids, buffers, &x, &y);
+    for (int t = 0; t < 8 && result.ok(); ++t) {
+      int64_t finite = 0;
+      for (int64_t h = 0; h < c.hidden; ++h)
+        finite += std::isfinite(__bfloat162float(y[t * c.hidden + h]));
+      const bool poisoned = t == 2 || t == 4;
+      if (poisoned ? finite == c.hidden : finite != c.hidden)
+        result = Status(StatusCode::kInternal, "token " + std::to_string(t) + ": " +
+                                                   std::to_string(finite) + " finite outputs");
     }
     layer.reset();
     cudaFree(buffers);
