@@ -68,7 +68,8 @@ class Block(nn.Module):
         probs = self.router(h).softmax(-1)
         w, idx = probs.topk(self.top_k, dim=-1)
         w = w / w.sum(-1, keepdim=True)
-        y = self.experts(h.to(torch.bfloat16), idx.to(torch.int32).contiguous(), w.contiguous())
+        # int64 ids: torch_moe indexes with them; MoELayer converts to its int32 itself.
+        y = self.experts(h.to(torch.bfloat16), idx.contiguous(), w.contiguous())
         return self.head(x.float() + y.float())
 
 
