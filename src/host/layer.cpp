@@ -170,7 +170,7 @@ struct Layer::Impl {
   Status exchange_and_schedule(int64_t T, const __nv_bfloat16* x, const int32_t* topk_idx,
                                cudaStream_t stream);
   Status barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
-                         __nv_bfloat16* out, cudaStream_t stream);
+                         bool check_routing, __nv_bfloat16* out, cudaStream_t stream);
   Status earlier_failure() const;
   Status device_failure() const;
   Status routing_report();
@@ -477,9 +477,10 @@ Status Layer::Impl::exchange_and_schedule(int64_t T, const __nv_bfloat16* x,
 
 // The barrier after every rank pushed its rows into the owners' combine slots (it also proves
 // every peer is done reading this call's window), then out[t] = sum_k w[t,k] combine[t, k]
-// (w = 1 without topk_weights).
+// (w = 1 without topk_weights); check_routing: the sum also checks topk_idx (check_routing()).
 Status Layer::Impl::barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
-                                    __nv_bfloat16* out, cudaStream_t stream) {
+                                    bool check_routing, __nv_bfloat16* out,
+                                    cudaStream_t stream) {
   const LayerConfig& c = config;
   EPFLOW_CUDA_RETURN(
       kernels::launch_rank_barrier(barrier_args(T, kernels::BarrierPhase::kCombine), stream));
@@ -493,7 +494,7 @@ Status Layer::Impl::barrier_and_sum(int64_t T, const int32_t* topk_idx, const fl
   ws.top_k = c.top_k;
   ws.num_experts = c.num_experts;
   ws.y = out;
-  ws.check = routing_check_device;
+  ws.check = check_routing ? routing_check_device : nullptr;
   EPFLOW_CUDA_RETURN(kernels::launch_weighted_sum(ws, stream));
   return Status::ok_status();
 }
@@ -542,7 +543,7 @@ Status Layer::Impl::forward(const ForwardArgs& a, cudaStream_t stream, SavedCont
     EPFLOW_CUDA_RETURN(mark(&StageEvents::ffn_done));
   }
 
-  EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, a.topk_idx, a.topk_weights, a.y, stream));
+  EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, a.topk_idx, a.topk_weights, true, a.y, stream));
   EPFLOW_CUDA_RETURN(mark(&StageEvents::end));
 
   // Every forward replaces the schedule and this rank's x in its window, which the backward of
@@ -719,7 +720,8 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
 
   // Join: every dx row is pushed (and the x rows pulled) before the barrier says so to peers.
   EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, dx_pushed, 0));
-  EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, saved.topk_idx, nullptr, a.dx, stream));
+  // Unweighted, and no routing check: the forward of this context checked the same ids.
+  EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, saved.topk_idx, nullptr, false, a.dx, stream));
   if (T > 0)
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(a.d_topk_weights, mine + layout.d_weights,
                                        sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
