@@ -695,27 +695,20 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   wg.fp32_out = a.grad_dtype == GradDType::kFP32;
   wg.accumulate = a.accumulate_weight_grads;
   wg.max_ctas = gemm_ctas;
-  struct Wgrad {
-    const __nv_bfloat16* lhs;
-    int64_t m, lhs_ld;
-    const __nv_bfloat16* rhs;
-    int64_t n;
-    void* dw;
+  auto wgrad = [&](const __nv_bfloat16* lhs, int64_t m, int64_t lhs_ld, const __nv_bfloat16* rhs,
+                   int64_t n, void* dw) {
+    wg.lhs = lhs;
+    wg.m = m;
+    wg.lhs_ld = lhs_ld;
+    wg.rhs = rhs;
+    wg.n = n;
+    wg.dw = dw;
+    return kernels::launch_expert_wgrad(wg, stream);
   };
-  const Wgrad wgrads[3] = {Wgrad{bw_dy, H, H, bw_dhp, I, a.d_down},
-                           Wgrad{bw_dgu, I, 2 * I, bw_x, H, a.d_gate},
-                           Wgrad{bw_dgu + I, I, 2 * I, bw_x, H, a.d_up}};
-  for (int i = 0; i < 3; ++i) {
-    const Wgrad& w = wgrads[i];
-    if (i == 1) EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, x_pulled, 0));  // x rows pulled
-    wg.lhs = w.lhs;
-    wg.m = w.m;
-    wg.lhs_ld = w.lhs_ld;
-    wg.rhs = w.rhs;
-    wg.n = w.n;
-    wg.dw = w.dw;
-    EPFLOW_CUDA_RETURN(kernels::launch_expert_wgrad(wg, stream));
-  }
+  EPFLOW_CUDA_RETURN(wgrad(bw_dy, H, H, bw_dhp, I, a.d_down));
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, x_pulled, 0));  // the x rows are in
+  EPFLOW_CUDA_RETURN(wgrad(bw_dgu, I, 2 * I, bw_x, H, a.d_gate));
+  EPFLOW_CUDA_RETURN(wgrad(bw_dgu + I, I, 2 * I, bw_x, H, a.d_up));
   EPFLOW_CUDA_RETURN(mark());
 
   // Join: every dx row is pushed (and the x rows pulled) before the barrier says so to peers.

@@ -77,8 +77,9 @@ cudaError_t launch_expert_dgrad(const ExpertDgradArgs& args, cudaStream_t stream
 
 // The backward's weight gradients: for every local expert e, dw[e] = lhs_eᵀ rhs_e summed over
 // the expert's rows seg_offset[e] .. seg_offset[e + 1] (K = its rows, padded to the tile; the
-// padding rows of lhs or rhs must be zero, as the layer leaves them). dW_down = dzᵀ h (lhs = dz
-// [rows, H], rhs = h [rows, I], dw [E, H, I]); dW_gate = dgᵀ x and dW_up = duᵀ x ([E, I, H]).
+// padding rows of lhs or rhs must be zero, as the layer leaves them). The layer's: dW_down =
+// dyᵀ (w h) (lhs = dy [rows, H], rhs = w h [rows, I], dw [E, H, I]); dW_gate = dgᵀ x and
+// dW_up = duᵀ x (lhs = [dg | du] with lhs_ld 2I, dw [E, I, H]).
 // Written in bf16 or fp32, or added to what dw holds (an expert without rows gets zeros, or
 // adds nothing); the same order of additions on every run.
 struct ExpertWgradArgs {
