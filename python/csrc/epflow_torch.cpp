@@ -175,7 +175,8 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
               "an offset is not); call .clone()");
 }
 
-// The checked forward arguments of one call on `h`, y allocated.
+// The checked forward arguments of one call on `h`; with_output: y allocated (the backward
+// re-checks its forward's arguments and needs no y).
 struct ForwardCall {
   at::Device device;
   at::Tensor y;
@@ -184,7 +185,8 @@ struct ForwardCall {
 
 ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_idx,
                          const at::Tensor& topk_weights, const at::Tensor& w_gate,
-                         const at::Tensor& w_up, const at::Tensor& w_down) {
+                         const at::Tensor& w_up, const at::Tensor& w_down,
+                         bool with_output = true) {
   const epflow::LayerConfig& c = h.config();
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(h.device()));
   TORCH_CHECK(x.dim() == 2, "epflow.moe_forward: x must be [T, H=", c.hidden, "], got ",
@@ -200,7 +202,7 @@ ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_
   check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
   check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
 
-  ForwardCall call{device, at::empty({T, H}, x.options()), {}};
+  ForwardCall call{device, with_output ? at::empty({T, H}, x.options()) : at::Tensor(), {}};
   epflow::ForwardArgs& a = call.args;
   a.num_tokens = T;
   a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
@@ -209,7 +211,7 @@ ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_
   a.weights.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
   a.weights.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
   a.weights.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
-  a.y = reinterpret_cast<__nv_bfloat16*>(call.y.data_ptr());
+  if (with_output) a.y = reinterpret_cast<__nv_bfloat16*>(call.y.data_ptr());
   return call;
 }
 
@@ -243,7 +245,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::b
     const at::Tensor& topk_weights, const at::Tensor& w_gate, const at::Tensor& w_up,
     const at::Tensor& w_down) {
   // The forward's arguments, checked again (they must be the forward's, unchanged).
-  ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  ForwardCall call =
+      forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down, /*with_output=*/false);
   const int64_t T = x.size(0), H = config_.hidden, K = config_.top_k;
   check_tensor(dy, "dy", at::kBFloat16, {T, H}, call.device);
   c10::cuda::CUDAGuard guard(call.device);
