@@ -10,9 +10,10 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
-#include <cmath>
-#include <limits>
 #include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -21,36 +22,6 @@
 namespace epflow {
 namespace {
 
-// One forward of T = ids.size() / K tokens on zeroed weights and zeroed x (x_host: these tokens
-// instead); y_host: the output, copied back after a device sync.
-Status forward_with_ids(Layer& layer, const std::vector<int32_t>& ids, void* buffers,
-                        const std::vector<__nv_bfloat16>* x_host = nullptr,
-                        std::vector<__nv_bfloat16>* y_host = nullptr) {
-  const LayerConfig& c = layer.config();
-  const int64_t T = static_cast<int64_t>(ids.size()) / c.top_k, H = c.hidden, I = c.intermediate;
-  const int64_t E = c.experts_per_rank();
-  auto* w = static_cast<__nv_bfloat16*>(buffers);  // weights, then x, then y (zeros: finite)
-  auto* x = w + 3 * E * I * H;
-  auto* y = x + T * H;
-  auto* idx = reinterpret_cast<int32_t*>(y + T * H);
-  auto* tw = reinterpret_cast<float*>(idx + T * c.top_k);
-  EPFLOW_TRY_CUDA(cudaMemcpy(idx, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-  if (x_host)
-    EPFLOW_TRY_CUDA(cudaMemcpy(x, x_host->data(), x_host->size() * 2, cudaMemcpyHostToDevice));
-  ForwardArgs f;
-  f.num_tokens = T;
-  f.x = x;
-  f.topk_idx = idx;
-  f.topk_weights = tw;
-  f.weights = {w, w + E * I * H, w + 2 * E * I * H};
-  f.y = y;
-  const Status s = layer.forward(f, nullptr, nullptr);
-  if (!s.ok() || !y_host) return s;
-  y_host->resize(T * H);
-  EPFLOW_TRY_CUDA(cudaMemcpy(y_host->data(), y, T * H * 2, cudaMemcpyDeviceToHost));
-  return s;
-}
-
 // The harness's small shape on rank `rank` of `world`.
 LayerConfig small_config(int world, int rank, int64_t max_tokens) {
   LayerConfig c = testing::small_config(world, max_tokens);
@@ -58,55 +29,95 @@ LayerConfig small_config(int world, int rank, int64_t max_tokens) {
   return c;
 }
 
-// forward_with_ids' buffers: the weights, x and y (bf16), topk_idx and topk_weights.
-size_t buffer_bytes(const LayerConfig& c) {
-  return 2 * (3 * c.experts_per_rank() * c.intermediate * c.hidden +
-              2 * c.max_tokens_per_rank * c.hidden) +
-         8 * c.max_tokens_per_rank * c.top_k;
+// Token t's slot k routed to expert (t + k) % experts: distinct experts within a token.
+std::vector<int32_t> spread_ids(int64_t tokens, int32_t top_k, int32_t experts) {
+  std::vector<int32_t> ids(tokens * top_k);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int32_t k = 0; k < top_k; ++k) ids[t * top_k + k] = static_cast<int32_t>((t + k) % experts);
+  return ids;
+}
+
+struct CallResult {
+  Status call = Status::ok_status();  // what forward() returned
+  cudaError_t sync = cudaSuccess;     // the device sync after it
+  std::vector<__nv_bfloat16> y;       // [T, H], when the sync succeeded
+};
+
+// One forward of T = ids.size() / K tokens on zeroed weights, router weights and x (x_host:
+// these tokens instead), in buffers of its own, then a device sync.
+CallResult forward_with_ids(Layer& layer, const std::vector<int32_t>& ids,
+                            const std::vector<__nv_bfloat16>* x_host = nullptr) {
+  const LayerConfig& c = layer.config();
+  const int64_t T = static_cast<int64_t>(ids.size()) / c.top_k, H = c.hidden, I = c.intermediate;
+  const int64_t E = c.experts_per_rank();
+  const size_t bytes = 2 * (3 * E * I * H + 2 * T * H) + 8 * T * c.top_k;
+  CallResult r;
+  void* buffers = nullptr;
+  if (cudaMalloc(&buffers, bytes) != cudaSuccess ||
+      cudaMemset(buffers, 0, bytes) != cudaSuccess) {
+    r.call = Status(StatusCode::kCudaError, "test buffers");
+    return r;
+  }
+  auto* w = static_cast<__nv_bfloat16*>(buffers);  // weights, then x, then y (zeros: finite)
+  auto* x = w + 3 * E * I * H;
+  auto* y = x + T * H;
+  auto* idx = reinterpret_cast<int32_t*>(y + T * H);
+  auto* tw = reinterpret_cast<float*>(idx + T * c.top_k);
+  cudaMemcpy(idx, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
+  if (x_host) cudaMemcpy(x, x_host->data(), x_host->size() * 2, cudaMemcpyHostToDevice);
+  ForwardArgs f;
+  f.num_tokens = T;
+  f.x = x;
+  f.topk_idx = idx;
+  f.topk_weights = tw;
+  f.weights = {w, w + E * I * H, w + 2 * E * I * H};
+  f.y = y;
+  r.call = layer.forward(f, nullptr, nullptr);
+  r.sync = cudaDeviceSynchronize();
+  if (r.sync == cudaSuccess) {
+    r.y.resize(T * H);
+    r.sync = cudaMemcpy(r.y.data(), y, T * H * 2, cudaMemcpyDeviceToHost);
+  }
+  cudaFree(buffers);
+  return r;
+}
+
+// fn on a one-rank layer of the small shape (8 experts, top-4, up to 8 tokens).
+Status on_small_layer(const std::function<Status(Layer&)>& fn) {
+  return run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
+    std::unique_ptr<Layer> layer;
+    if (Status e = Layer::create(small_config(1, 0, 8), comm, &layer); !e.ok()) return e;
+    return fn(*layer);
+  });
 }
 
 TEST(LayerRobustnessGpu, ReportsOutOfRangeAndRepeatedExpertsOnce) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const LayerConfig c = small_config(1, 0, 8);
-  const Status s = run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
-    std::unique_ptr<Layer> layer;
-    if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
-    void* buffers = nullptr;
-    const size_t bytes = buffer_bytes(c);
-    EPFLOW_TRY_CUDA(cudaMalloc(&buffers, bytes));
-    EPFLOW_TRY_CUDA(cudaMemset(buffers, 0, bytes));
-    std::vector<int32_t> good(8 * 4);
-    for (int t = 0; t < 8; ++t)
-      for (int k = 0; k < 4; ++k) good[t * 4 + k] = (t + k) % 8;
+  const Status s = on_small_layer([](Layer& layer) -> Status {
+    std::vector<int32_t> good = spread_ids(8, 4, 8);
     good[2 * 4 + 3] = -1;  // an empty slot is fine
     std::vector<int32_t> bad = good;
     bad[3 * 4 + 1] = 99;  // out of range: token 3, slot 1
     bad[5 * 4 + 2] = bad[5 * 4 + 0];  // token 5's slot 2 repeats its slot 0's expert
-    const Status during = forward_with_ids(*layer, bad, buffers);
-    EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
-    const Status after = layer->check_routing();
+    const CallResult during = forward_with_ids(layer, bad);
+    if (during.sync != cudaSuccess) return Status(StatusCode::kCudaError, "bad-id call failed");
+    const Status after = layer.check_routing();
     // The report comes from whichever looked once the check had run (almost always `after`).
-    const Status& report = during.ok() ? after : during;
-    Status result = Status::ok_status();
+    const Status& report = during.call.ok() ? after : during.call;
     if (report.code() != StatusCode::kInvalidArgument)
-      result = Status(StatusCode::kInternal, "bad ids not reported: " + report.to_string());
-    else if (during.ok() && (report.message().find("2 bad slots") == std::string::npos ||
+      return Status(StatusCode::kInternal, "bad ids not reported: " + report.to_string());
+    if (during.call.ok() && (report.message().find("2 bad slots") == std::string::npos ||
                              report.message().find("1 repeating") == std::string::npos ||
                              report.message().find("first seen: token") == std::string::npos))
-      result = Status(StatusCode::kInternal, "unexpected report: " + report.to_string());
-    if (result.ok() && !layer->check_routing().ok())
-      result = Status(StatusCode::kInternal, "the report was not cleared");
-    if (result.ok()) {
-      const Status again = forward_with_ids(*layer, good, buffers);
-      EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
-      const Status check = layer->check_routing();
-      if (!again.ok() || !check.ok())
-        result = Status(StatusCode::kInternal, "good ids reported: " + again.to_string() + " / " +
-                                                   check.to_string());
-    }
-    layer.reset();
-    cudaFree(buffers);
-    return result;
+      return Status(StatusCode::kInternal, "unexpected report: " + report.to_string());
+    if (!layer.check_routing().ok())
+      return Status(StatusCode::kInternal, "the report was not cleared");
+    const CallResult again = forward_with_ids(layer, good);
+    const Status check = layer.check_routing();
+    if (!again.call.ok() || again.sync != cudaSuccess || !check.ok())
+      return Status(StatusCode::kInternal,
+                    "good ids reported: " + again.call.to_string() + " / " + check.to_string());
+    return Status::ok_status();
   });
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
@@ -115,34 +126,23 @@ TEST(LayerRobustnessGpu, ReportsOutOfRangeAndRepeatedExpertsOnce) {
 // its own input row only) and the call completes.
 TEST(LayerRobustnessGpu, NanAndInfStayInTheirTokens) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const LayerConfig c = small_config(1, 0, 8);
-  const Status s = run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
-    std::unique_ptr<Layer> layer;
-    if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
-    void* buffers = nullptr;
-    const size_t bytes = buffer_bytes(c);
-    EPFLOW_TRY_CUDA(cudaMalloc(&buffers, bytes));
-    EPFLOW_TRY_CUDA(cudaMemset(buffers, 0, bytes));
-    std::vector<int32_t> ids(8 * 4);
-    for (int t = 0; t < 8; ++t)
-      for (int k = 0; k < 4; ++k) ids[t * 4 + k] = (t + k) % 8;  // tokens share experts
-    std::vector<__nv_bfloat16> x(8 * c.hidden, __float2bfloat16(0.0f));
-    x[2 * c.hidden + 17] = __float2bfloat16(std::numeric_limits<float>::quiet_NaN());
-    x[4 * c.hidden + 5] = __float2bfloat16(std::numeric_limits<float>::infinity());
-    std::vector<__nv_bfloat16> y;
-    Status result = forward_with_ids(*layer, ids, buffers, &x, &y);
-    for (int t = 0; t < 8 && result.ok(); ++t) {
+  const Status s = on_small_layer([](Layer& layer) -> Status {
+    const int64_t H = layer.config().hidden;
+    std::vector<__nv_bfloat16> x(8 * H, __float2bfloat16(0.0f));
+    x[2 * H + 17] = __float2bfloat16(std::numeric_limits<float>::quiet_NaN());
+    x[4 * H + 5] = __float2bfloat16(std::numeric_limits<float>::infinity());
+    const CallResult r = forward_with_ids(layer, spread_ids(8, 4, 8), &x);  // tokens share experts
+    if (!r.call.ok()) return r.call;
+    if (r.sync != cudaSuccess) return Status(StatusCode::kCudaError, cudaGetErrorString(r.sync));
+    for (int t = 0; t < 8; ++t) {
       int64_t finite = 0;
-      for (int64_t h = 0; h < c.hidden; ++h)
-        finite += std::isfinite(__bfloat162float(y[t * c.hidden + h]));
+      for (int64_t h = 0; h < H; ++h) finite += std::isfinite(__bfloat162float(r.y[t * H + h]));
       const bool poisoned = t == 2 || t == 4;
-      if (poisoned ? finite == c.hidden : finite != c.hidden)
-        result = Status(StatusCode::kInternal, "token " + std::to_string(t) + ": " +
-                                                   std::to_string(finite) + " finite outputs");
+      if (poisoned ? finite == H : finite != H)
+        return Status(StatusCode::kInternal, "token " + std::to_string(t) + ": " +
+                                                 std::to_string(finite) + " finite outputs");
     }
-    layer.reset();
-    cudaFree(buffers);
-    return result;
+    return Status::ok_status();
   });
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
@@ -182,25 +182,18 @@ TEST(LayerRobustnessGpu, MissingPeerIsNamedWithinTheTimeout) {
       while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       return Status::ok_status();
     }
-    void* buffers = nullptr;
-    const size_t bytes = buffer_bytes(c);
-    Status result = Status(StatusCode::kInternal, "cudaMalloc failed");
-    if (cudaMalloc(&buffers, bytes) == cudaSuccess && cudaMemset(buffers, 0, bytes) == cudaSuccess) {
-      std::vector<int32_t> ids(8 * 4, -1);
-      for (int t = 0; t < 8; ++t) ids[t * 4] = t % 8;
-      const auto start = std::chrono::steady_clock::now();
-      Status call = forward_with_ids(*layer, ids, buffers);
-      const cudaError_t e = cudaDeviceSynchronize();
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      failure = layer->device_failure();
-      if (call.ok() && e == cudaSuccess)
-        result = Status(StatusCode::kInternal, "the call succeeded without its peer");
-      else if (seconds > 10.0)
-        result = Status(StatusCode::kInternal, "took " + std::to_string(seconds) + " s");
-      else
-        result = Status::ok_status();
-    }
+    std::vector<int32_t> ids(8 * 4, -1);
+    for (int t = 0; t < 8; ++t) ids[t * 4] = t % 8;
+    const auto start = std::chrono::steady_clock::now();
+    const CallResult r = forward_with_ids(*layer, ids);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    failure = layer->device_failure();
+    Status result = Status::ok_status();
+    if (r.call.ok() && r.sync == cudaSuccess)
+      result = Status(StatusCode::kInternal, "the call succeeded without its peer");
+    else if (seconds > 10.0)
+      result = Status(StatusCode::kInternal, "took " + std::to_string(seconds) + " s");
     rank0_done.store(true);
     return result;
   });
