@@ -147,6 +147,14 @@ def release_handles():
 atexit.register(release_handles)
 
 
+@torch.compiler.disable
+def _train_forward(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down):
+    # NOTES: outside torch.compile's graph (a graph break): the handle is a TorchScript class
+    # object that dynamo does not trace through an autograd.Function; the layer's own work is
+    # one stream-ordered GPU call either way.
+    return _MoEFunction.apply(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+
+
 class _MoEFunction(torch.autograd.Function):
     """EPFlow's forward keeping its context, and its GPU backward (bf16 weight gradients, like
     the parameters; fp32 d topk_weights)."""
@@ -238,7 +246,7 @@ class MoELayer(nn.Module):
             if handle is None:
                 raise RuntimeError("epflow: this MoELayer's handle was released "
                                    "(epflow.release_handles())")
-            y = _MoEFunction.apply(handle, x2, idx, w, *params)
+            y = _train_forward(handle, x2, idx, w, *params)
         else:
             y = torch.ops.epflow.moe_forward(self._handle_id, x2, idx, w, *params)
         return y.reshape(*lead, self.hidden)

@@ -1,6 +1,7 @@
 # EPFlow from PyTorch on the GPU (issue [G]): forward and gradients against a pure-PyTorch
 # reference MoE at EP=1 (and EP=2 through torchrun when two GPUs are present), torch.compile, CUDA
-# graphs, the inference op's NotImplementedError and the refusal of a stale context. Skipped,
+# graphs (forward, and a compiled training step), the inference op's NotImplementedError, the
+# refusal of a stale context, and NaN/Inf through the backward (issue [H]). Skipped,
 # with a message, where there is no CUDA device.
 import os
 import shutil
@@ -172,6 +173,62 @@ def test_stale_context_is_refused(layer):
     with pytest.raises(RuntimeError, match="stale"):
         y1.float().sum().backward()
     torch.cuda.synchronize()
+
+
+def _train_grads(fn, layer, x, idx, w, dy):
+    """Gradients of sum(fn(x, idx, w) * dy) for x, topk_weights and the expert weights."""
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    params = (layer.w_gate, layer.w_up, layer.w_down)
+    for p in params:
+        p.grad = None
+    y = fn(x, idx, w)
+    (y.float() * dy.float()).sum().backward()
+    torch.cuda.synchronize()
+    return y.detach(), [x.grad, w.grad] + [p.grad.clone() for p in params]
+
+
+def test_training_step_under_torch_compile(layer):
+    # A compiled model around MoELayer trains: the layer runs outside the graph (a graph break)
+    # and its gradients are those of the eager run, bitwise (no atomics anywhere).
+    x, idx, w = _inputs(100, seed=30)
+    dy = torch.randn(100, H, device="cuda").to(torch.bfloat16)
+
+    def model(x, idx, w):
+        return layer(torch.nn.functional.rms_norm(x, (H,)), idx, w) * 0.5
+
+    torch._dynamo.reset()
+    y_eager, g_eager = _train_grads(model, layer, x, idx, w, dy)
+    y_comp, g_comp = _train_grads(torch.compile(model), layer, x, idx, w, dy)
+    torch.testing.assert_close(y_comp, y_eager, rtol=0, atol=0)
+    for name, a, b in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), g_comp, g_eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_nan_and_inf_stay_in_their_tokens_through_backward(layer):
+    # Issue [H]: a NaN and an Inf in x reach only their own tokens' y, dx and d topk_weights, and
+    # the weight gradients of the experts those tokens went to (as in the reference: every row
+    # of the expert GEMMs is its own); everything else is what the clean run computes, bitwise.
+    T = 64
+    x, idx, w = _inputs(T, seed=31, empty_slots=False)
+    idx[5] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)  # experts 4..7 see no poisoned row
+    idx[40] = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
+    dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    bad = x.clone()
+    bad[5, 17] = float("nan")
+    bad[40, 3] = float("inf")
+    y0, g0 = _train_grads(layer, layer, x, idx, w, dy)
+    y1, g1 = _train_grads(layer, layer, bad, idx, w, dy)
+    poisoned = torch.zeros(T, dtype=torch.bool, device="cuda")
+    poisoned[[5, 40]] = True
+    for name, a, b in (("y", y1, y0), ("dx", g1[0], g0[0]), ("d topk_weights", g1[1], g0[1])):
+        assert not torch.isfinite(a[poisoned]).all(dim=1).any(), f"{name}: a poisoned row is finite"
+        torch.testing.assert_close(a[~poisoned], b[~poisoned], rtol=0, atol=0, msg=name)
+    hit = torch.zeros(E, dtype=torch.bool, device="cuda")
+    hit[idx[poisoned].flatten().long()] = True
+    for name, a, b in zip(("w_gate", "w_up", "w_down"), g1[2:], g0[2:]):
+        assert not torch.isfinite(a[hit]).all(), f"{name}: the poisoned experts' gradient is finite"
+        torch.testing.assert_close(a[~hit], b[~hit], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs")
