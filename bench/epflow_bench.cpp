@@ -67,8 +67,12 @@ struct Options {
   // default: what the NCCL+PyTorch baseline's autograd writes for bf16 weights).
   bool backward = false;
   GradDType grad_dtype = GradDType::kBF16;
-  // --backward-side-sms: the backward again with each of these side-stream SM counts (A/B).
+  // --backward-unfused: the unfused backward too (separate kernels; its stages).
+  bool backward_unfused = false;
+  // --backward-side-sms: the unfused backward again with each of these side-stream SM counts.
   std::vector<int64_t> backward_side_sms;
+  // --backward-comm-sms: the backward megakernel again with each of these communication SMs.
+  std::vector<int64_t> backward_comm_sms;
   // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
   std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
   std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
@@ -98,15 +102,19 @@ void usage() {
       "                    [--check] [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
       "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
       "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
-      "                    [--grad-dtype bf16|fp32] [--backward-side-sms N[,N...]]\n"
+      "                    [--grad-dtype bf16|fp32] [--backward-unfused]\n"
+      "                    [--backward-side-sms N[,N...]] [--backward-comm-sms N[,N...]]\n"
       "  --warmup N   untimed calls before the timed ones, for every system and yardstick\n"
       "               (default 100: the sustained power state at large sizes)\n"
       "  --repeats N  run each point's whole sequence (systems, yardsticks) N times and\n"
       "               report the medians over the repeats (default 1)\n"
       "  --backward   also time EPFlow's backward and its stages (dy = x, weight gradients\n"
       "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"
-      "  --backward-side-sms N[,N...]  also time the backward with N SMs for its side stream\n"
-      "               (x pull, dx push beside the GEMMs; 0: none, all in order)\n"
+      "  --backward-unfused  also time the unfused backward (separate kernels) and its stages\n"
+      "  --backward-side-sms N[,N...]  also time the unfused backward with N SMs for its side\n"
+      "               stream (x pull, dx push beside the GEMMs; 0: none, all in order)\n"
+      "  --backward-comm-sms N[,N...]  also time the backward megakernel with N communication\n"
+      "               SMs\n"
       "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
       "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
       "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
@@ -144,6 +152,10 @@ bool parse(int argc, char** argv, Options* o) {
       o->backward = true;
       continue;
     }
+    if (a == "--backward-unfused") {
+      o->backward_unfused = true;
+      continue;
+    }
     if (i + 1 >= argc) return false;
     const std::string v = argv[++i];
     if (a == "--preset") {
@@ -174,6 +186,8 @@ bool parse(int argc, char** argv, Options* o) {
       }
     } else if (a == "--backward-side-sms") {
       for (const auto& t : split(v)) o->backward_side_sms.push_back(std::atoll(t.c_str()));
+    } else if (a == "--backward-comm-sms") {
+      for (const auto& t : split(v)) o->backward_comm_sms.push_back(std::atoll(t.c_str()));
     } else if (a == "--grad-dtype") {
       if (v != "bf16" && v != "fp32") return false;
       o->grad_dtype = v == "bf16" ? GradDType::kBF16 : GradDType::kFP32;
@@ -290,9 +304,14 @@ struct RankResult {
   int64_t nvlink_rows_out = 0;  // rows pushed to other ranks (combine), same count
   double interleaved_dense_tflops = 0;  // --yardstick interleaved: cuBLAS between the calls
   double backward_us = 0;               // --backward: EPFlow's backward alone (median)
-  double backward_stage_us[kBackwardStages] = {};
+  std::vector<std::string> backward_stage_names;  // its stages
+  double backward_stage_us[kMaxBackwardStages] = {};
   double forward_saving_us = 0;  // --backward: the forward that keeps g | u for it (median)
-  std::vector<double> backward_side_us;  // --backward-side-sms: the backward with each count
+  double unfused_backward_us = 0;  // --backward-unfused: the unfused backward, its stages
+  std::vector<std::string> unfused_stage_names;
+  double unfused_stage_us[kMaxBackwardStages] = {};
+  std::vector<double> backward_side_us;  // --backward-side-sms: the unfused one, each count
+  std::vector<double> backward_comm_us;  // --backward-comm-sms: the megakernel, each count
 };
 
 double median(std::vector<double> v) {
@@ -420,8 +439,8 @@ class RankData {
   BackwardArgs grads_;
 };
 
-// kN + 1 events per iteration (kN stages): its start, then the end of each stage.
-template <int kN>
+// n + 1 events per iteration (n <= kMax stages): its start, then the end of each stage.
+template <int kMax>
 class IterationEvents {
  public:
   IterationEvents() = default;
@@ -432,35 +451,37 @@ class IterationEvents {
   IterationEvents(const IterationEvents&) = delete;
   IterationEvents& operator=(const IterationEvents&) = delete;
 
-  Status create(int iterations) {
-    ev_.assign(static_cast<size_t>(iterations) * (kN + 1), nullptr);
+  Status create(int iterations, int stages = kMax) {
+    n_ = stages;
+    ev_.assign(static_cast<size_t>(iterations) * (n_ + 1), nullptr);
     for (cudaEvent_t& e : ev_)
       EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&e), "cudaEventCreate"));
     return Status::ok_status();
   }
-  const cudaEvent_t* marks(int i) const { return ev_.data() + i * (kN + 1); }
+  const cudaEvent_t* marks(int i) const { return ev_.data() + i * (n_ + 1); }
 
   // Median of the whole and of each stage over the iterations after `warmup` (all recorded).
   Status summarize(int warmup, double* total_us, double* stage_us) const {
-    std::vector<double> total, stage[kN];
-    for (int i = warmup; i < static_cast<int>(ev_.size()) / (kN + 1); ++i) {
+    std::vector<double> total, stage[kMax];
+    for (int i = warmup; i < static_cast<int>(ev_.size()) / (n_ + 1); ++i) {
       const cudaEvent_t* m = marks(i);
       float ms = 0;
       EPFLOW_RETURN_IF_ERROR(
-          cuda_status(cudaEventElapsedTime(&ms, m[0], m[kN]), "cudaEventElapsedTime"));
+          cuda_status(cudaEventElapsedTime(&ms, m[0], m[n_]), "cudaEventElapsedTime"));
       total.push_back(ms * 1e3);
-      for (int s = 0; s < kN; ++s) {
+      for (int s = 0; s < n_; ++s) {
         EPFLOW_RETURN_IF_ERROR(
             cuda_status(cudaEventElapsedTime(&ms, m[s], m[s + 1]), "cudaEventElapsedTime"));
         stage[s].push_back(ms * 1e3);
       }
     }
     *total_us = median(total);
-    for (int s = 0; s < kN; ++s) stage_us[s] = median(stage[s]);
+    for (int s = 0; s < n_; ++s) stage_us[s] = median(stage[s]);
     return Status::ok_status();
   }
 
  private:
+  int n_ = kMax;
   std::vector<cudaEvent_t> ev_;
 };
 using ForwardEvents = IterationEvents<kStages>;
@@ -485,9 +506,13 @@ Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t
   EPFLOW_RETURN_IF_ERROR(
       with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow forward")));
   EPFLOW_RETURN_IF_ERROR(fwd.summarize(o.warmup, &out->forward_saving_us, &unused_stage));
-  IterationEvents<kBackwardStages> ev;
-  EPFLOW_RETURN_IF_ERROR(ev.create(n));
-  auto run = [&](double* total_us, double* stage_us) {
+  // The backward of the saved context, warmup + iters times with its stage events; the medians
+  // of the timed ones.
+  auto run = [&](double* total_us, double* stage_us, std::vector<std::string>* names) {
+    const std::vector<const char*> stages = LayerInternals::backward_stage_names(layer);
+    if (names) names->assign(stages.begin(), stages.end());
+    IterationEvents<kMaxBackwardStages> ev;
+    EPFLOW_RETURN_IF_ERROR(ev.create(n, static_cast<int>(stages.size())));
     for (int i = 0; i < n; ++i)
       EPFLOW_RETURN_IF_ERROR(LayerInternals::backward_with_stage_events(
           layer, data.grads(), saved, stream, ev.marks(i)));
@@ -495,17 +520,33 @@ Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t
         with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow backward")));
     return ev.summarize(o.warmup, total_us, stage_us);
   };
-  EPFLOW_RETURN_IF_ERROR(run(&out->backward_us, out->backward_stage_us));
+  EPFLOW_RETURN_IF_ERROR(run(&out->backward_us, out->backward_stage_us,
+                             &out->backward_stage_names));
+  double total = 0, stages[kMaxBackwardStages];
+  const int32_t default_comm_sms = LayerInternals::backward_comm_sms(layer);
+  out->backward_comm_us.clear();
+  for (int64_t comm : o.backward_comm_sms) {
+    EPFLOW_RETURN_IF_ERROR(
+        LayerInternals::set_backward_comm_sms(layer, static_cast<int32_t>(comm)));
+    EPFLOW_RETURN_IF_ERROR(run(&total, stages, nullptr));
+    out->backward_comm_us.push_back(total);
+  }
+  EPFLOW_RETURN_IF_ERROR(LayerInternals::set_backward_comm_sms(layer, default_comm_sms));
+  if (!o.backward_unfused && o.backward_side_sms.empty()) return Status::ok_status();
+  EPFLOW_RETURN_IF_ERROR(LayerInternals::use_unfused_backward(layer, true));
+  if (o.backward_unfused)
+    EPFLOW_RETURN_IF_ERROR(run(&out->unfused_backward_us, out->unfused_stage_us,
+                               &out->unfused_stage_names));
   const int32_t default_side_sms = LayerInternals::backward_side_sms(layer);
   out->backward_side_us.clear();
   for (int64_t side : o.backward_side_sms) {
-    double total = 0, stages[kBackwardStages];
     EPFLOW_RETURN_IF_ERROR(
         LayerInternals::set_backward_side_sms(layer, static_cast<int32_t>(side)));
-    EPFLOW_RETURN_IF_ERROR(run(&total, stages));
+    EPFLOW_RETURN_IF_ERROR(run(&total, stages, nullptr));
     out->backward_side_us.push_back(total);
   }
-  return LayerInternals::set_backward_side_sms(layer, default_side_sms);
+  EPFLOW_RETURN_IF_ERROR(LayerInternals::set_backward_side_sms(layer, default_side_sms));
+  return LayerInternals::use_unfused_backward(layer, false);
 }
 
 // The rows of `tokens` of y [T, H] as floats, token after token.
@@ -762,16 +803,21 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     v.clear();
     for (const auto& rep : reps) v.push_back(rep[r].forward_saving_us);
     out[r].forward_saving_us = median(v);
-    for (size_t i = 0; i < out[r].backward_side_us.size(); ++i) {
-      v.clear();
-      for (const auto& rep : reps) v.push_back(rep[r].backward_side_us[i]);
-      out[r].backward_side_us[i] = median(v);
-    }
-    for (int st = 0; st < kBackwardStages; ++st) {
-      v.clear();
-      for (const auto& rep : reps) v.push_back(rep[r].backward_stage_us[st]);
-      out[r].backward_stage_us[st] = median(v);
-    }
+    v.clear();
+    for (const auto& rep : reps) v.push_back(rep[r].unfused_backward_us);
+    out[r].unfused_backward_us = median(v);
+    for (auto list : {&RankResult::backward_side_us, &RankResult::backward_comm_us})
+      for (size_t i = 0; i < (out[r].*list).size(); ++i) {
+        v.clear();
+        for (const auto& rep : reps) v.push_back((rep[r].*list)[i]);
+        (out[r].*list)[i] = median(v);
+      }
+    for (auto stages : {&RankResult::backward_stage_us, &RankResult::unfused_stage_us})
+      for (int st = 0; st < kMaxBackwardStages; ++st) {
+        v.clear();
+        for (const auto& rep : reps) v.push_back((rep[r].*stages)[st]);
+        (out[r].*stages)[st] = median(v);
+      }
     for (int st = 0; st < kStages; ++st) {
       v.clear();
       for (const auto& rep : reps) v.push_back(rep[r].stage_us[st]);
@@ -1027,9 +1073,15 @@ int run_gpu(const Options& o, int devices) {
         to->backward_us = from.backward_us;
         to->forward_saving_us = from.forward_saving_us;
         to->backward_side_us = from.backward_side_us;
+        to->backward_comm_us = from.backward_comm_us;
+        to->backward_stage_names = from.backward_stage_names;
+        to->unfused_backward_us = from.unfused_backward_us;
+        to->unfused_stage_names = from.unfused_stage_names;
         std::copy(from.stage_us, from.stage_us + kStages, to->stage_us);
-        std::copy(from.backward_stage_us, from.backward_stage_us + kBackwardStages,
+        std::copy(from.backward_stage_us, from.backward_stage_us + kMaxBackwardStages,
                   to->backward_stage_us);
+        std::copy(from.unfused_stage_us, from.unfused_stage_us + kMaxBackwardStages,
+                  to->unfused_stage_us);
       };
       // Every system on one communicator, one after the other: every rank destroys each EPFlow
       // layer (and its windows) before the next system's calls, in the same order.
@@ -1190,37 +1242,70 @@ int run_gpu(const Options& o, int devices) {
               [](const RankResult& a, const RankResult& b) {
                 return a.forward_saving_us < b.forward_saving_us;
               });
-          std::printf("    its stages (us, slowest rank):");
-          for (int st = 0; st < kBackwardStages; ++st)
-            std::printf("%s %s %.1f", st ? ";" : "", kBackwardStageNames[st],
-                        b.backward_stage_us[st]);
-          std::printf("\n");
+          auto stages_text = [](const std::vector<std::string>& names, const double* us) {
+            std::string text;
+            for (size_t st = 0; st < names.size(); ++st) {
+              char item[160];
+              std::snprintf(item, sizeof item, "%s %s %.1f", st ? ";" : "", names[st].c_str(),
+                            us[st]);
+              text += item;
+            }
+            return text;
+          };
+          auto stages_json = [](const std::vector<std::string>& names, const double* us) {
+            std::ostringstream js;
+            for (size_t st = 0; st < names.size(); ++st)
+              js << (st ? ", " : "") << '"' << names[st] << "\": " << json_num(us[st]);
+            return js.str();
+          };
+          auto tflops = [&](double us) { return 2 * forward_flops(c, b.routed_slots) / us * 1e-6; };
+          std::printf("    its stages (us, slowest rank):%s\n",
+                      stages_text(b.backward_stage_names, b.backward_stage_us).c_str());
           std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
                       forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
-          json << ",\n    {\"system\": \"epflow\", \"direction\": \"bwd\", \"preset\": \""
-               << p->name << "\", \"tokens\": " << T << ", \"layer_us\": "
-               << json_num(b.backward_us) << ", \"layer_tflops_per_gpu\": "
-               << json_num(2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6)
-               << ", \"grad_dtype\": \"" << dtype
-               << "\", \"forward_saving_us\": " << json_num(f.forward_saving_us)
-               << ", \"stage_us\": {";
-          for (int st = 0; st < kBackwardStages; ++st)
-            json << (st ? ", " : "") << '"' << kBackwardStageNames[st]
-                 << "\": " << json_num(b.backward_stage_us[st]);
-          json << "}}";
-          for (size_t i = 0; i < o.backward_side_sms.size(); ++i) {
-            double us = 0;  // the slowest rank's
-            for (const RankResult& r : variant_results[0]) us = std::max(us, r.backward_side_us[i]);
-            std::printf("  %-26s %10.1f %12.1f  (side-stream SMs %lld)\n", "epflow backward",
-                        us, 2 * forward_flops(c, b.routed_slots) / us * 1e-6,
-                        static_cast<long long>(o.backward_side_sms[i]));
-            json << ",\n    {\"system\": \"epflow-bwd-side\", \"direction\": \"bwd\", "
+          auto bwd_json = [&](const char* system, double us) {
+            json << ",\n    {\"system\": \"" << system << "\", \"direction\": \"bwd\", "
                  << "\"preset\": \"" << p->name << "\", \"tokens\": " << T
-                 << ", \"layer_us\": " << json_num(us) << ", \"layer_tflops_per_gpu\": "
-                 << json_num(2 * forward_flops(c, b.routed_slots) / us * 1e-6)
-                 << ", \"grad_dtype\": \"" << dtype
-                 << "\", \"backward_side_sms\": " << o.backward_side_sms[i] << "}";
+                 << ", \"layer_us\": " << json_num(us)
+                 << ", \"layer_tflops_per_gpu\": " << json_num(tflops(us))
+                 << ", \"grad_dtype\": \"" << dtype << "\"";
+          };
+          bwd_json("epflow", b.backward_us);
+          json << ", \"forward_saving_us\": " << json_num(f.forward_saving_us)
+               << ", \"stage_us\": {" << stages_json(b.backward_stage_names, b.backward_stage_us)
+               << "}}";
+          if (o.backward_unfused) {
+            const RankResult& u = *std::max_element(
+                variant_results[0].begin(), variant_results[0].end(),
+                [](const RankResult& a, const RankResult& b) {
+                  return a.unfused_backward_us < b.unfused_backward_us;
+                });
+            std::printf("  %-26s %10.1f %12.1f  (fused backward %.2fx faster)\n",
+                        "epflow backward unfused", u.unfused_backward_us,
+                        tflops(u.unfused_backward_us), u.unfused_backward_us / b.backward_us);
+            std::printf("    its stages (us, slowest rank):%s\n",
+                        stages_text(u.unfused_stage_names, u.unfused_stage_us).c_str());
+            bwd_json("epflow-bwd-unfused", u.unfused_backward_us);
+            json << ", \"stage_us\": {" << stages_json(u.unfused_stage_names, u.unfused_stage_us)
+                 << "}}";
           }
+          // The slowest rank's time of each A/B point.
+          auto ab = [&](const std::vector<int64_t>& counts,
+                        std::vector<double> RankResult::*times, const char* system,
+                        const char* what, const char* key) {
+            for (size_t i = 0; i < counts.size(); ++i) {
+              double us = 0;
+              for (const RankResult& r : variant_results[0]) us = std::max(us, (r.*times)[i]);
+              std::printf("  %-26s %10.1f %12.1f  (%s %lld)\n", system, us, tflops(us), what,
+                          static_cast<long long>(counts[i]));
+              bwd_json(system, us);
+              json << ", \"" << key << "\": " << counts[i] << "}";
+            }
+          };
+          ab(o.backward_side_sms, &RankResult::backward_side_us, "epflow-bwd-side",
+             "unfused, side-stream SMs", "backward_side_sms");
+          ab(o.backward_comm_sms, &RankResult::backward_comm_us, "epflow-bwd-comm",
+             "megakernel, communication SMs", "backward_comm_sms");
         }
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
       }

@@ -1,6 +1,6 @@
 // Task lists of the forward megakernel and the counter protocol between its two SM partitions.
 //
-// Portable (EPFLOW_HD): the kernel (src/kernels/moe_forward_megakernel.cu) and the CPU protocol
+// Portable (EPFLOW_HD): the kernel (src/kernels/moe_megakernel.cu) and the CPU protocol
 // simulation (tests/common/test_megakernel_tasks.cpp) run these same functions.
 //
 // The pull table's row tiles m = 0 .. m_tiles-1 (kBlockM rows each, all inside one expert) live in

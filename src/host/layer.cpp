@@ -3,6 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <functional>
+#include <iterator>
+#include <vector>
 
 #include "common/routing_schedule.h"
 #include "host/layer_internals.h"
@@ -11,7 +14,7 @@
 #include "kernels/comm/lsa_shim.cuh"
 #include "kernels/expert_ffn.cuh"
 #include "kernels/layer_kernels.cuh"
-#include "kernels/moe_forward_megakernel.cuh"
+#include "kernels/moe_megakernel.cuh"
 #include "kernels/routing_schedule.cuh"
 
 namespace epflow {
@@ -114,6 +117,7 @@ struct Layer::Impl {
   // Host-mapped: bad topk_idx slots the weighted sums found (Layer::check_routing).
   kernels::RoutingCheck* routing_check = nullptr;
   kernels::RoutingCheck* routing_check_device = nullptr;
+  kernels::RoutingTally* routing_tally = nullptr;  // device memory: the current call's counts
   // Optional per-task trace of the megakernel (epflow-bench --trace), [sm_count][records].
   kernels::MegakernelTraceRecord* trace = nullptr;
 
@@ -130,14 +134,25 @@ struct Layer::Impl {
   __nv_bfloat16* saved_gate_up = nullptr;
   uint64_t saved_generation = 0;
 
-  // The backward's row buffers over [max_rows]: x rows, dy rows (then dz), dx rows ([H] each);
-  // dhp (then h) ([I]); [dg | du] ([2I]). Allocated by create() with LayerConfig::with_backward.
+  // The backward's row buffers over bw_rows (max_rows rounded up to the minibatch: the backward
+  // megakernel's ring holds every routed row), allocated by create() with
+  // LayerConfig::with_backward: x and dy rows ([H] each), w·h ([I]; the unfused backward's dhp
+  // first), [dg | du] ([2I]), the dhp tiles' partial <dhp, h> ([n tiles] fp32), and the
+  // megakernel's counters.
+  int64_t bw_rows = 0;
   void* backward_buffers = nullptr;
-  __nv_bfloat16 *bw_x = nullptr, *bw_dy = nullptr, *bw_dx = nullptr;
-  __nv_bfloat16 *bw_dhp = nullptr, *bw_dgu = nullptr;
-  // The backward moves x rows in and dx rows out on a second stream, on side_sms SMs that its
+  __nv_bfloat16 *bw_x = nullptr, *bw_dy = nullptr, *bw_wh = nullptr, *bw_dgu = nullptr;
+  float* bw_dw_partial = nullptr;
+  uint32_t* bw_counters = nullptr;
+  size_t bw_counter_bytes = 0;
+  int32_t backward_comm_sms = 0;  // plan.backward_comm_sms unless set (LayerInternals)
+  // The unfused backward (LayerInternals::use_unfused_backward: the benchmark's comparison and
+  // a test): separate kernels over the rows above plus dx rows ([max_rows, H], allocated on
+  // request). It moves x rows in and dx rows out on a second stream, on side_sms SMs that its
   // GEMMs leave free, while the GEMMs run (fork and join through events: graph-capturable);
   // side_sms = 0: everything on the caller's stream, one after the other.
+  bool unfused_backward = false;
+  __nv_bfloat16* bw_dx = nullptr;
   int32_t side_sms = 0;  // plan.backward_side_sms unless set (LayerInternals)
   cudaStream_t side = nullptr;
   cudaEvent_t dy_pulled = nullptr, x_pulled = nullptr, dx_ready = nullptr, dx_pushed = nullptr;
@@ -148,11 +163,13 @@ struct Layer::Impl {
   ~Impl() {
     if (diagnostic) cudaFreeHost(diagnostic);
     if (routing_check) cudaFreeHost(routing_check);
+    if (routing_tally) cudaFree(routing_tally);
     if (barrier_timeout) cudaFreeHost(barrier_timeout);
     if (trace) cudaFree(trace);
     if (local) cudaFree(local);
     if (unfused_buffers) cudaFree(unfused_buffers);
     if (backward_buffers) cudaFree(backward_buffers);
+    if (bw_dx) cudaFree(bw_dx);
     if (saved_gate_up) cudaFree(saved_gate_up);
     for (cudaEvent_t e : {dy_pulled, x_pulled, dx_ready, dx_pushed})
       if (e) cudaEventDestroy(e);
@@ -192,8 +209,15 @@ struct Layer::Impl {
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
                  const StageEvents* events);
   Status allocate_backward();
+  Status enable_unfused_backward();
   Status backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream,
                   const cudaEvent_t* marks);
+  Status run_backward_megakernel(const SavedContext& saved, cudaStream_t stream);
+  Status push_router_weight_grads(cudaStream_t stream);
+  Status run_unfused_backward(const SavedContext& saved, cudaStream_t stream,
+                              const std::function<cudaError_t()>& mark);
+  Status weight_gradients(const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream,
+                          cudaEvent_t x_rows_in);
 };
 
 namespace {
@@ -261,7 +285,7 @@ Status Layer::Impl::allocate() {
   const int64_t ring_rows = plan.ring_rows;
   const size_t x_bytes = aligned(sizeof(__nv_bfloat16) * ring_rows * c.hidden);
   const size_t h_bytes = aligned(sizeof(__nv_bfloat16) * ring_rows * c.intermediate);
-  ring_counter_bytes = kernels::forward_megakernel_counter_bytes(
+  ring_counter_bytes = kernels::megakernel_counter_bytes(
       static_cast<int32_t>(ring_rows / kernels::kExpertFfnTileM), sm_count);
   const size_t counter_bytes = aligned(ring_counter_bytes);
   EPFLOW_CUDA_RETURN(
@@ -302,6 +326,8 @@ Status Layer::Impl::allocate() {
   *routing_check = kernels::RoutingCheck{};
   EPFLOW_CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&routing_check_device),
                                               routing_check, 0));
+  EPFLOW_CUDA_RETURN(cudaMalloc(&routing_tally, sizeof(kernels::RoutingTally)));
+  EPFLOW_CUDA_RETURN(cudaMemset(routing_tally, 0, sizeof(kernels::RoutingTally)));
   EPFLOW_CUDA_RETURN(cudaMemset(static_cast<char*>(window.local()) + layout.flags, 0,
                                 sizeof(uint64_t) * Limits::kMaxEpSize));
   EPFLOW_CUDA_RETURN(cudaDeviceSynchronize());
@@ -339,7 +365,7 @@ Status Layer::Impl::enable_unfused() {
 Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cudaStream_t stream) {
   const LayerConfig& c = config;
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(ring_counters, 0, ring_counter_bytes, stream));
-  kernels::ForwardMegakernelArgs m;
+  kernels::MegakernelArgs m;
   m.peers = peers;
   m.x_offset = layout.x;
   m.combine_offset = layout.combine;
@@ -495,6 +521,7 @@ Status Layer::Impl::barrier_and_sum(int64_t T, const int32_t* topk_idx, const fl
   ws.num_experts = c.num_experts;
   ws.y = out;
   ws.check = check_routing ? routing_check_device : nullptr;
+  ws.tally = routing_tally;
   EPFLOW_CUDA_RETURN(kernels::launch_weighted_sum(ws, stream));
   return Status::ok_status();
 }
@@ -568,15 +595,23 @@ Status Layer::Impl::allocate_backward() {
   const size_t saved_bytes = sizeof(__nv_bfloat16) * max_rows * 2 * I;
   EPFLOW_CUDA_RETURN(cudaMalloc(&saved_gate_up, saved_bytes));
   memory.saved_bytes = static_cast<int64_t>(saved_bytes);
-  const size_t row_elems = static_cast<size_t>(3 * H + 3 * I);
-  const size_t bytes = sizeof(__nv_bfloat16) * max_rows * row_elems;
+  bw_rows = sched::round_up(max_rows, plan.minibatch_rows);
+  const int32_t ring_tiles = static_cast<int32_t>(bw_rows / kernels::kExpertFfnTileM);
+  auto aligned = [](size_t v) { return (v + 255) / 256 * 256; };
+  const size_t rows_bytes = sizeof(__nv_bfloat16) * bw_rows * (2 * H + 3 * I);
+  const size_t partial_bytes =
+      aligned(sizeof(float) * bw_rows * kernels::backward_dh_tiles(I));
+  bw_counter_bytes = kernels::megakernel_counter_bytes(ring_tiles, sm_count);
+  const size_t bytes = rows_bytes + partial_bytes + aligned(bw_counter_bytes);
   EPFLOW_CUDA_RETURN(cudaMalloc(&backward_buffers, bytes));
   __nv_bfloat16* p = static_cast<__nv_bfloat16*>(backward_buffers);
-  for (auto [buf, cols] :
-       {std::pair{&bw_x, H}, {&bw_dy, H}, {&bw_dx, H}, {&bw_dhp, I}, {&bw_dgu, 2 * I}}) {
+  for (auto [buf, cols] : {std::pair{&bw_x, H}, {&bw_dy, H}, {&bw_wh, I}, {&bw_dgu, 2 * I}}) {
     *buf = p;
-    p += max_rows * cols;
+    p += bw_rows * cols;
   }
+  bw_dw_partial = reinterpret_cast<float*>(static_cast<char*>(backward_buffers) + rows_bytes);
+  bw_counters = reinterpret_cast<uint32_t*>(static_cast<char*>(backward_buffers) + rows_bytes +
+                                            partial_bytes);
   memory.backward_bytes = static_cast<int64_t>(bytes);
   EPFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   for (cudaEvent_t* e : {&dy_pulled, &x_pulled, &dx_ready, &dx_pushed})
@@ -584,12 +619,26 @@ Status Layer::Impl::allocate_backward() {
   return Status::ok_status();
 }
 
-// The unfused backward (docs/ARCHITECTURE.md, "Backward"): on the forward's schedule, dy rows
-// pulled, dhp = dy W_down, the SwiGLU and router-weight backward from the kept g | u (d
-// topk_weights pushed to the owners), dx rows = [dg | du] [W_gate; W_up] pushed into the owners'
-// combine slots and the weight gradients beside it, x rows pulled on a side stream meanwhile,
-// then each owner sums its dx over k.
-const char* const kBackwardStageNames[kBackwardStages] = {
+Status Layer::Impl::enable_unfused_backward() {
+  if (!bw_dx) {
+    const size_t bytes = sizeof(__nv_bfloat16) * max_rows * config.hidden;
+    EPFLOW_CUDA_RETURN(cudaMalloc(&bw_dx, bytes));
+    memory.backward_bytes += static_cast<int64_t>(bytes);
+  }
+  unfused_backward = true;
+  return Status::ok_status();
+}
+
+// The backward (docs/ARCHITECTURE.md, "Backward"), on the forward's schedule: the backward
+// megakernel (dy and x rows pulled; dhp = dy W_down with the SwiGLU and router-weight backward
+// in its epilogue; dx rows = [dg | du] [W_gate; W_up] pushed into the owners' combine slots), d
+// topk_weights pushed to the owners, the barrier and each owner's sum of its dx over k, then
+// the weight gradients (dW_down = dyᵀ (w h), dW_gate = dgᵀ x, dW_up = duᵀ x) over the rows the
+// megakernel left. The unfused backward runs the same steps as separate kernels.
+const char* const kBackwardStageNames[] = {
+    "inputs+barrier", "megakernel (dy, x pull; dhp + SwiGLU bwd; dx push)", "d topk_weights",
+    "barrier+sum", "weight gradients"};
+const char* const kUnfusedBackwardStageNames[] = {
     "inputs+barrier",
     "pull dy rows",
     "dhp = dy W_down",
@@ -597,6 +646,158 @@ const char* const kBackwardStageNames[kBackwardStages] = {
     "dx = [dg|du] [Wg; Wu]",
     "weight gradients (x pull, dx push beside)",
     "join, barrier, sum"};
+
+std::vector<const char*> LayerInternals::backward_stage_names(const Layer& layer) {
+  if (layer.impl_->unfused_backward)
+    return {std::begin(kUnfusedBackwardStageNames), std::end(kUnfusedBackwardStageNames)};
+  return {std::begin(kBackwardStageNames), std::end(kBackwardStageNames)};
+}
+
+Status Layer::Impl::run_backward_megakernel(const SavedContext& saved, cudaStream_t stream) {
+  const LayerConfig& c = config;
+  EPFLOW_CUDA_RETURN(cudaMemsetAsync(bw_counters, 0, bw_counter_bytes, stream));
+  kernels::MegakernelArgs m;
+  m.peers = peers;
+  m.x_offset = layout.dy;
+  m.combine_offset = layout.combine;
+  m.table = schedule_buffers.table;
+  m.seg_offset = schedule_buffers.seg_offset;
+  m.expert_rows = schedule_buffers.expert_rows;
+  m.experts = c.experts_per_rank();
+  m.hidden = static_cast<int32_t>(c.hidden);
+  m.intermediate = static_cast<int32_t>(c.intermediate);
+  m.top_k = c.top_k;
+  m.ring_tiles = static_cast<int32_t>(bw_rows / kernels::kExpertFfnTileM);
+  m.minibatch_tiles = static_cast<int32_t>(plan.minibatch_rows / kernels::kExpertFfnTileM);
+  m.ring_x = bw_dy;
+  m.ring_h = bw_dgu;
+  m.counters = bw_counters;
+  m.w_gate = saved.weights.gate;
+  m.w_up = saved.weights.up;
+  m.w_down = saved.weights.down;
+  m.comm_ctas = backward_comm_sms;
+  m.rank = c.ep_rank;
+  m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
+  m.diagnostic = diagnostic_device;
+  m.gate_up_in = saved_gate_up;
+  m.weights_offset = layout.topk_weights;
+  m.wh_out = bw_wh;
+  m.dw_partial = bw_dw_partial;
+  m.x_pull_offset = layout.x;
+  m.x_out = bw_x;
+  EPFLOW_CUDA_RETURN(kernels::launch_backward_megakernel(m, sm_count, stream));
+  return Status::ok_status();
+}
+
+// d topk_weights of every routed row from the megakernel's partial sums, into the owners' windows.
+Status Layer::Impl::push_router_weight_grads(cudaStream_t stream) {
+  const LayerConfig& c = config;
+  kernels::RouterWeightGradArgs rw;
+  rw.peers = peers;
+  rw.d_weights_offset = layout.d_weights;
+  rw.table = schedule_buffers.table;
+  rw.seg_offset = schedule_buffers.seg_offset;
+  rw.experts = c.experts_per_rank();
+  rw.dw_partial = bw_dw_partial;
+  rw.n_tiles = kernels::backward_dh_tiles(c.intermediate);
+  rw.max_rows = max_rows;
+  EPFLOW_CUDA_RETURN(kernels::launch_router_weight_grad(rw, stream));
+  return Status::ok_status();
+}
+
+// dW_down = dyᵀ (w h), dW_gate = dgᵀ x, dW_up = duᵀ x on at most max_ctas SMs (0: all); the last
+// two wait for x_rows_in first when it is set.
+Status Layer::Impl::weight_gradients(const BackwardArgs& a, int32_t max_ctas,
+                                     cudaStream_t stream, cudaEvent_t x_rows_in) {
+  const int64_t H = config.hidden, I = config.intermediate;
+  kernels::ExpertWgradArgs wg;
+  wg.segments = kernels::ExpertSegments{config.experts_per_rank(), max_rows,
+                                        schedule_buffers.seg_offset, schedule_buffers.expert_rows};
+  wg.fp32_out = a.grad_dtype == GradDType::kFP32;
+  wg.accumulate = a.accumulate_weight_grads;
+  wg.max_ctas = max_ctas;
+  auto wgrad = [&](const __nv_bfloat16* lhs, int64_t m, int64_t lhs_ld, const __nv_bfloat16* rhs,
+                   int64_t n, void* dw) {
+    wg.lhs = lhs;
+    wg.m = m;
+    wg.lhs_ld = lhs_ld;
+    wg.rhs = rhs;
+    wg.n = n;
+    wg.dw = dw;
+    return kernels::launch_expert_wgrad(wg, stream);
+  };
+  EPFLOW_CUDA_RETURN(wgrad(bw_dy, H, H, bw_wh, I, a.d_down));
+  if (x_rows_in) EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, x_rows_in, 0));
+  EPFLOW_CUDA_RETURN(wgrad(bw_dgu, I, 2 * I, bw_x, H, a.d_gate));
+  EPFLOW_CUDA_RETURN(wgrad(bw_dgu + I, I, 2 * I, bw_x, H, a.d_up));
+  return Status::ok_status();
+}
+
+// The unfused backward's kernels between the first barrier and the weight gradients: dy rows
+// pulled; dhp = dy W_down; the SwiGLU and router-weight backward (d topk_weights pushed to the
+// owners); dx rows = [dg | du] [W_gate; W_up], pushed into the owners' combine slots on the side
+// stream beside the weight gradients; x rows pulled on the side stream meanwhile (x_pulled).
+Status Layer::Impl::run_unfused_backward(const SavedContext& saved, cudaStream_t stream,
+                                         const std::function<cudaError_t()>& mark) {
+  const LayerConfig& c = config;
+  const int64_t H = c.hidden, I = c.intermediate;
+  const int32_t E = c.experts_per_rank();
+  // dy rows first (the first GEMM reads them); x rows, needed only by the last two weight
+  // gradients, on the side stream beside the GEMMs. NOTES: the GEMMs run on sm_count - side_sms
+  // CTAs and the side kernels on side_sms CTAs of a whole SM's threads, so both are resident at
+  // once whichever starts first (a GEMM CTA fills an SM's register file).
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream, whole_gpu(), true));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(dy_pulled, stream));
+  cudaStream_t aside = side_sms > 0 ? side : stream;
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(aside, dy_pulled, 0));
+  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, aside, beside_gemms(), true));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(x_pulled, aside));
+  EPFLOW_CUDA_RETURN(mark());
+  const int32_t gemm_ctas = sm_count - side_sms;
+
+  kernels::ExpertDgradArgs dg;
+  dg.segments = kernels::ExpertSegments{E, max_rows, schedule_buffers.seg_offset,
+                                        schedule_buffers.expert_rows};
+  dg.k = H;
+  dg.n = I;
+  dg.rows = bw_dy;
+  dg.w0 = saved.weights.down;
+  dg.out = bw_wh;
+  dg.max_ctas = gemm_ctas;
+  EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
+  EPFLOW_CUDA_RETURN(mark());
+
+  kernels::SwigluBackwardArgs sb;
+  sb.peers = peers;
+  sb.weights_offset = layout.topk_weights;
+  sb.d_weights_offset = layout.d_weights;
+  sb.table = schedule_buffers.table;
+  sb.seg_offset = schedule_buffers.seg_offset;
+  sb.experts = E;
+  sb.intermediate = I;
+  sb.gate_up = saved_gate_up;
+  sb.dhp_wh = bw_wh;
+  sb.dgu = bw_dgu;
+  EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, 4 * gemm_ctas, stream));
+  EPFLOW_CUDA_RETURN(mark());
+
+  dg.k = 2 * I;
+  dg.k0 = I;
+  dg.n = H;
+  dg.rows = bw_dgu;
+  dg.w0 = saved.weights.gate;
+  dg.w1 = saved.weights.up;
+  dg.out = bw_dx;
+  EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
+  EPFLOW_CUDA_RETURN(mark());
+
+  // dx rows into the owners' combine slots on the side stream, beside the weight gradients.
+  EPFLOW_CUDA_RETURN(cudaEventRecord(dx_ready, stream));
+  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(aside, dx_ready, 0));
+  EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, aside, beside_gemms()));
+  EPFLOW_CUDA_RETURN(cudaEventRecord(dx_pushed, aside));
+  return Status::ok_status();
+}
 
 Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
                              cudaStream_t stream, const cudaEvent_t* marks) {
@@ -611,8 +812,7 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
                         "backward after the unfused forward (a benchmark path): it does not keep "
                         "the gate/up pre-activations the backward reads");
   const LayerConfig& c = config;
-  const int64_t T = saved.num_tokens, H = c.hidden, I = c.intermediate;
-  const int32_t E = c.experts_per_rank();
+  const int64_t T = saved.num_tokens, H = c.hidden;
   EPFLOW_RETURN_IF_ERROR(earlier_failure());
   EPFLOW_CUDA_RETURN(mark());
   char* mine = static_cast<char*>(window.local());
@@ -633,96 +833,40 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
   EPFLOW_RETURN_IF_ERROR(publish_barrier(T, stream));
   EPFLOW_CUDA_RETURN(mark());
 
-  // dy rows first (the first GEMM reads them); x rows, needed only by the last two weight
-  // gradients, on the side stream beside the GEMMs. NOTES: the GEMMs run on sm_count - side_sms
-  // CTAs and the side kernels on side_sms CTAs of a whole SM's threads, so both are resident at
-  // once whichever starts first (a GEMM CTA fills an SM's register file).
-  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.dy, bw_dy, stream, whole_gpu(), true));
-  EPFLOW_CUDA_RETURN(cudaEventRecord(dy_pulled, stream));
-  cudaStream_t aside = side_sms > 0 ? side : stream;
-  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(aside, dy_pulled, 0));
-  EPFLOW_RETURN_IF_ERROR(pull_rows(layout.x, bw_x, aside, beside_gemms(), true));
-  EPFLOW_CUDA_RETURN(cudaEventRecord(x_pulled, aside));
-  EPFLOW_CUDA_RETURN(mark());
-  const int32_t gemm_ctas = sm_count - side_sms;
-
-  const kernels::ExpertSegments segments{E, max_rows, schedule_buffers.seg_offset,
-                                         schedule_buffers.expert_rows};
-  kernels::ExpertDgradArgs dg;
-  dg.segments = segments;
-  dg.k = H;
-  dg.n = I;
-  dg.rows = bw_dy;
-  dg.w0 = saved.weights.down;
-  dg.out = bw_dhp;
-  dg.max_ctas = gemm_ctas;
-  EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
-  EPFLOW_CUDA_RETURN(mark());
-
-  kernels::SwigluBackwardArgs sb;
-  sb.peers = peers;
-  sb.weights_offset = layout.topk_weights;
-  sb.d_weights_offset = layout.d_weights;
-  sb.table = schedule_buffers.table;
-  sb.seg_offset = schedule_buffers.seg_offset;
-  sb.experts = E;
-  sb.intermediate = I;
-  sb.gate_up = saved_gate_up;
-  sb.dhp_wh = bw_dhp;
-  sb.dgu = bw_dgu;
-  EPFLOW_CUDA_RETURN(kernels::launch_swiglu_backward(sb, 4 * gemm_ctas, stream));
-  EPFLOW_CUDA_RETURN(mark());
-
-  dg.k = 2 * I;
-  dg.k0 = I;
-  dg.n = H;
-  dg.rows = bw_dgu;
-  dg.w0 = saved.weights.gate;
-  dg.w1 = saved.weights.up;
-  dg.out = bw_dx;
-  EPFLOW_CUDA_RETURN(kernels::launch_expert_dgrad(dg, stream));
-  EPFLOW_CUDA_RETURN(mark());
-
-  // dx rows into the owners' combine slots on the side stream, beside the weight gradients.
-  EPFLOW_CUDA_RETURN(cudaEventRecord(dx_ready, stream));
-  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(aside, dx_ready, 0));
-  EPFLOW_RETURN_IF_ERROR(push_rows(bw_dx, aside, beside_gemms()));
-  EPFLOW_CUDA_RETURN(cudaEventRecord(dx_pushed, aside));
-
-  // dW_down = dyᵀ (w h), dW_gate = dgᵀ x, dW_up = duᵀ x.
-  kernels::ExpertWgradArgs wg;
-  wg.segments = segments;
-  wg.fp32_out = a.grad_dtype == GradDType::kFP32;
-  wg.accumulate = a.accumulate_weight_grads;
-  wg.max_ctas = gemm_ctas;
-  auto wgrad = [&](const __nv_bfloat16* lhs, int64_t m, int64_t lhs_ld, const __nv_bfloat16* rhs,
-                   int64_t n, void* dw) {
-    wg.lhs = lhs;
-    wg.m = m;
-    wg.lhs_ld = lhs_ld;
-    wg.rhs = rhs;
-    wg.n = n;
-    wg.dw = dw;
-    return kernels::launch_expert_wgrad(wg, stream);
+  // Unweighted sums, and no routing check: the forward of this context checked the same ids.
+  auto barrier_and_sum_dx = [&]() -> Status {
+    EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, saved.topk_idx, nullptr, false, a.dx, stream));
+    if (T > 0)
+      EPFLOW_CUDA_RETURN(cudaMemcpyAsync(a.d_topk_weights, mine + layout.d_weights,
+                                         sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                         stream));
+    return Status::ok_status();
   };
-  EPFLOW_CUDA_RETURN(wgrad(bw_dy, H, H, bw_dhp, I, a.d_down));
-  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, x_pulled, 0));  // the x rows are in
-  EPFLOW_CUDA_RETURN(wgrad(bw_dgu, I, 2 * I, bw_x, H, a.d_gate));
-  EPFLOW_CUDA_RETURN(wgrad(bw_dgu + I, I, 2 * I, bw_x, H, a.d_up));
-  EPFLOW_CUDA_RETURN(mark());
-
-  // Join: every dx row is pushed (and the x rows pulled) before the barrier says so to peers.
-  EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, dx_pushed, 0));
-  // Unweighted, and no routing check: the forward of this context checked the same ids.
-  EPFLOW_RETURN_IF_ERROR(barrier_and_sum(T, saved.topk_idx, nullptr, false, a.dx, stream));
-  if (T > 0)
-    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(a.d_topk_weights, mine + layout.d_weights,
-                                       sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
-                                       stream));
-  EPFLOW_CUDA_RETURN(mark());
-  if (marks && stage != kBackwardStages + 1)
+  if (unfused_backward) {
+    EPFLOW_RETURN_IF_ERROR(run_unfused_backward(saved, stream, mark));
+    EPFLOW_RETURN_IF_ERROR(weight_gradients(a, sm_count - side_sms, stream, x_pulled));
+    EPFLOW_CUDA_RETURN(mark());
+    // Join: every dx row is pushed (and the x rows pulled) before the barrier says so to peers.
+    EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, dx_pushed, 0));
+    EPFLOW_RETURN_IF_ERROR(barrier_and_sum_dx());
+    EPFLOW_CUDA_RETURN(mark());
+  } else {
+    EPFLOW_RETURN_IF_ERROR(run_backward_megakernel(saved, stream));
+    EPFLOW_CUDA_RETURN(mark());
+    EPFLOW_RETURN_IF_ERROR(push_router_weight_grads(stream));
+    EPFLOW_CUDA_RETURN(mark());
+    // The dx rows and d topk_weights are in the owners' windows: peers may sum while this rank
+    // computes its weight gradients from the rows the megakernel left.
+    EPFLOW_RETURN_IF_ERROR(barrier_and_sum_dx());
+    EPFLOW_CUDA_RETURN(mark());
+    EPFLOW_RETURN_IF_ERROR(weight_gradients(a, 0, stream, nullptr));
+    EPFLOW_CUDA_RETURN(mark());
+  }
+  const size_t stages = unfused_backward ? std::size(kUnfusedBackwardStageNames)
+                                         : std::size(kBackwardStageNames);
+  if (marks && stage != static_cast<int>(stages) + 1)
     return error_status(StatusCode::kInternal, "backward recorded ", stage, " stage events, not ",
-                        kBackwardStages + 1);
+                        stages + 1);
   return Status::ok_status();
 }
 
@@ -759,6 +903,7 @@ Status Layer::create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr
       cudaDeviceGetAttribute(&impl->sm_count, cudaDevAttrMultiProcessorCount, device));
   EPFLOW_RETURN_IF_ERROR(runtime::make_plan(config, impl->sm_count, &impl->plan));
   impl->side_sms = impl->plan.backward_side_sms;
+  impl->backward_comm_sms = impl->plan.backward_comm_sms;
   EPFLOW_RETURN_IF_ERROR(impl->allocate());
   if (config.with_backward) EPFLOW_RETURN_IF_ERROR(impl->allocate_backward());
   out->reset(new Layer(std::move(impl)));
@@ -861,6 +1006,31 @@ Status LayerInternals::set_backward_side_sms(Layer& layer, int32_t side_sms) {
 }
 
 int32_t LayerInternals::backward_side_sms(const Layer& layer) { return layer.impl_->side_sms; }
+
+Status LayerInternals::use_unfused_backward(Layer& layer, bool unfused) {
+  Layer::Impl& impl = *layer.impl_;
+  if (!impl.config.with_backward)
+    return error_status(StatusCode::kInvalidArgument,
+                        "the unfused backward needs a layer created with_backward");
+  if (!unfused) {
+    impl.unfused_backward = false;
+    return Status::ok_status();
+  }
+  return impl.enable_unfused_backward();
+}
+
+Status LayerInternals::set_backward_comm_sms(Layer& layer, int32_t comm_sms) {
+  Layer::Impl& impl = *layer.impl_;
+  if (comm_sms < 1 || comm_sms >= impl.sm_count)
+    return error_status(StatusCode::kInvalidArgument, "backward communication SMs (", comm_sms,
+                        ") must be in [1, ", impl.sm_count, ")");
+  impl.backward_comm_sms = comm_sms;
+  return Status::ok_status();
+}
+
+int32_t LayerInternals::backward_comm_sms(const Layer& layer) {
+  return layer.impl_->backward_comm_sms;
+}
 
 Status LayerInternals::backward_with_stage_events(Layer& layer, const BackwardArgs& args,
                                                   const SavedContext& saved, cudaStream_t stream,

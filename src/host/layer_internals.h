@@ -10,7 +10,7 @@
 
 #include "epflow/layer.h"
 #include "host/runtime_plan.h"
-#include "kernels/moe_forward_megakernel.cuh"
+#include "kernels/moe_megakernel.cuh"
 
 namespace epflow {
 
@@ -22,10 +22,8 @@ struct StageEvents {
   cudaEvent_t end;            // (unfused: push combine,) barrier, weighted sum
 };
 
-// The backward's stages, in order; backward_with_stage_events records an event before the first
-// and after each one.
-inline constexpr int kBackwardStages = 7;
-extern const char* const kBackwardStageNames[kBackwardStages];
+// The most stages a backward reports (the unfused one's); LayerInternals::backward_stage_names.
+inline constexpr int kMaxBackwardStages = 7;
 
 struct LayerInternals {
   // Switches the layer to the unfused chain (allocating its [max_rows] buffers once) or back.
@@ -38,11 +36,19 @@ struct LayerInternals {
                             std::vector<kernels::MegakernelTraceRecord>* out);
   static Status forward_with_stage_events(Layer& layer, const ForwardArgs& args,
                                           cudaStream_t stream, const StageEvents& events);
-  // SMs the backward leaves to its side stream (x pull, dx push beside the GEMMs); 0: none,
-  // everything in order on the caller's stream. For A/B runs (epflow-bench --backward-side-sms).
+  // Switches the backward to the unfused chain of separate kernels (allocating its dx rows once)
+  // or back to the backward megakernel (the default).
+  static Status use_unfused_backward(Layer& layer, bool unfused);
+  // The unfused backward: SMs it leaves to its side stream (x pull, dx push beside the GEMMs);
+  // 0: none, everything in order on the caller's stream (epflow-bench --backward-side-sms).
   static Status set_backward_side_sms(Layer& layer, int32_t side_sms);
   static int32_t backward_side_sms(const Layer& layer);
-  // `marks`: kBackwardStages + 1 events.
+  // The backward megakernel's communication SMs (epflow-bench --backward-comm-sms).
+  static Status set_backward_comm_sms(Layer& layer, int32_t comm_sms);
+  static int32_t backward_comm_sms(const Layer& layer);
+  // The current backward's stages, in order; backward_with_stage_events records an event before
+  // the first and after each one (`marks`: size() + 1 events).
+  static std::vector<const char*> backward_stage_names(const Layer& layer);
   static Status backward_with_stage_events(Layer& layer, const BackwardArgs& args,
                                            const SavedContext& saved, cudaStream_t stream,
                                            const cudaEvent_t* marks);

@@ -14,11 +14,24 @@ int64_t two_wave_minibatch_rows(const LayerConfig& c, const TileShape& tile, int
   return sched::round_up(rows, tile.m);
 }
 
-int32_t default_comm_sms(const LayerConfig& c, int32_t sm_count) {
-  const double r = 2.0 * kGemmFlopsPerComputeSm /
+namespace {
+
+// comm = S·r / (1 + r), r = margin · bytes_per_row_over_2H · R_gemm / (3·I·R_pull).
+int32_t comm_sms_for(const LayerConfig& c, int32_t sm_count, double rows_per_row) {
+  const double r = 2.0 * rows_per_row * kGemmFlopsPerComputeSm /
                    (3.0 * static_cast<double>(c.intermediate) * kPullBytesPerCommSm);
   const auto comm = static_cast<int32_t>(std::lround(sm_count * r / (1.0 + r)));
   return std::max(1, std::min(std::max(comm, kMinCommSms), sm_count / 4));
+}
+
+}  // namespace
+
+int32_t default_comm_sms(const LayerConfig& c, int32_t sm_count) {
+  return comm_sms_for(c, sm_count, 1.0);
+}
+
+int32_t default_backward_comm_sms(const LayerConfig& c, int32_t sm_count) {
+  return comm_sms_for(c, sm_count, 2.0);
 }
 
 int32_t default_backward_side_sms(const LayerConfig& c, int32_t sm_count) {
@@ -63,6 +76,7 @@ Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   // straight from the down GEMM's registers to the owner's combine slot).
   p.ring_bytes = p.ring_rows * (c.hidden + c.intermediate) * 2;
   p.backward_side_sms = default_backward_side_sms(c, sm_count);
+  p.backward_comm_sms = std::min(default_backward_comm_sms(c, sm_count), sm_count - 1);
   *plan = p;
   return Status::ok_status();
 }

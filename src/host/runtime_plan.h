@@ -26,7 +26,8 @@ struct LayerPlan {
   int64_t ring_rows = 0;        // multiple of minibatch_rows
   int64_t max_routed_rows = 0;  // pull-table capacity: every slot of every rank, plus padding
   int64_t ring_bytes = 0;       // routed x rows + SwiGLU intermediates (bf16)
-  int32_t backward_side_sms = 0;  // SMs the backward's GEMMs leave to its x pull / dx push
+  int32_t backward_side_sms = 0;  // unfused backward: SMs its GEMMs leave to x pull / dx push
+  int32_t backward_comm_sms = 0;  // backward megakernel: communication partition
 };
 
 // Default communication SMs: enough pull bandwidth to feed the compute partition. NOTES: a
@@ -53,6 +54,12 @@ int32_t default_comm_sms(const LayerConfig& config, int32_t sm_count);
 // (2026-11-30, the four presets at 512/2048/8192 tokens/rank, EP 2) was best at 4 for I = 2048
 // and 1536 and at 8-16 for I = 768, where 4 was up to 39% slower.
 int32_t default_backward_side_sms(const LayerConfig& config, int32_t sm_count);
+
+// The backward megakernel's communication SMs: the forward's rule with twice the bytes per
+// row (it pulls dy for its GEMMs and x for the weight gradients: 4·H bytes against the same
+// 6·H·I FLOPs of its two GEMMs), at most a quarter of the SMs: 12 for I = 2048, 15 for I = 1536,
+// 27 for I = 768 on 132 SMs. Not yet tuned by a sweep.
+int32_t default_backward_comm_sms(const LayerConfig& config, int32_t sm_count);
 
 // Default ring: this many minibatches, so dispatch runs ahead of compute and the down GEMM of
 // minibatch j can run after the gate/up GEMM of j + 1 (which needs at least 2).

@@ -1,5 +1,6 @@
-// Launchers of the forward's separate kernels: the barrier and weighted sum around the
-// megakernel, and the unfused chain's dispatch and combine (issue [B], kept for comparison).
+// Launchers of the layer's separate kernels: the barrier and weighted sum around the
+// megakernels, the backward's router-weight gradient, and the unfused chains' dispatch, combine
+// and SwiGLU backward (kept for comparison).
 // One kernel per file, all stream-ordered; none synchronises with the host.
 #pragma once
 
@@ -123,6 +124,22 @@ struct SwigluBackwardArgs {
 cudaError_t launch_swiglu_backward(const SwigluBackwardArgs& args, int32_t blocks,
                                    cudaStream_t stream);
 
+// The backward megakernel's d topk_weights: for every routed row of the pull table, the sum of
+// its n_tiles partial dot products <dhp, h> (dw_partial [rows, n_tiles], from the dhp tiles'
+// epilogues) in tile order, written to the owner's d_weights[src_slot] (its window). A thread per
+// row: fixed order, deterministic.
+struct RouterWeightGradArgs {
+  PeerWindows peers;
+  size_t d_weights_offset = 0;  // WindowLayout::d_weights
+  const sched::PullRow* table = nullptr;
+  const int64_t* seg_offset = nullptr;  // device [experts + 1]
+  int32_t experts = 0;
+  const float* dw_partial = nullptr;
+  int32_t n_tiles = 0;
+  int64_t max_rows = 0;  // the grid covers this many rows
+};
+cudaError_t launch_router_weight_grad(const RouterWeightGradArgs& args, cudaStream_t stream);
+
 // What the weighted sum found wrong in a call's topk_idx (host-mapped; the host reads and clears
 // it): slots whose id is outside [-1, num_experts) (the schedule skipped them) or repeats an
 // expert of an earlier slot of the same token (computed twice, as two slots). The first bad slot
@@ -135,9 +152,22 @@ struct RoutingCheck {
   uint32_t published;
 };
 
+// The check's running tally of one call, in device memory (zero before the first call; the
+// call's last block copies it into the RoutingCheck and zeroes it again). NOTES: the counting
+// atomics run here, not on the host-mapped record: atomics on host memory need the host's PCIe
+// atomics, which compute-sanitizer memcheck showed this H200 machine lacks.
+struct RoutingTally {
+  uint32_t bad_slots, duplicated_slots;
+  int64_t token;
+  int32_t k, id, duplicate;
+  uint32_t blocks_done;
+};
+
 // y[t] = sum_k w[t,k] * combine[t*K + k], k ascending, fp32 sums, bf16 out; slots whose expert
 // id is outside [0, num_experts) contribute nothing. Without topk_weights, w = 1 (the backward's
-// dx, whose rows arrive already weighted). With check, the token's ids are checked too.
+// dx, whose rows arrive already weighted). With check (and tally), the token's ids are checked
+// too: the call's counts are added to check's and its first bad slot published there if check
+// has none yet.
 struct WeightedSumArgs {
   const __nv_bfloat16* combine = nullptr;  // local window [T * K, H]
   const int32_t* topk_idx = nullptr;
@@ -148,6 +178,7 @@ struct WeightedSumArgs {
   int32_t num_experts = 0;
   __nv_bfloat16* y = nullptr;
   RoutingCheck* check = nullptr;  // optional, host-mapped (device pointer)
+  RoutingTally* tally = nullptr;  // with check: device memory
 };
 cudaError_t launch_weighted_sum(const WeightedSumArgs& args, cudaStream_t stream);
 

@@ -13,8 +13,8 @@ constexpr int kThreads = 256;
 constexpr int kBatch = 8;
 
 // One thread per token (the one of its first 8 columns): out-of-range ids and experts repeated
-// within the token's top-k. NOTES: K <= 16, so at most 120 comparisons of ids the sum loads
-// anyway; system-scope atomics: the struct lives in host memory.
+// within the token's top-k, counted in the device tally. NOTES: K <= 16, so at most 120
+// comparisons of ids the sum loads anyway.
 __device__ void check_token_ids(const WeightedSumArgs& a, int64_t t) {
   const int32_t* ids = a.topk_idx + t * a.top_k;
   for (int32_t k = 0; k < a.top_k; ++k) {
@@ -23,24 +23,47 @@ __device__ void check_token_ids(const WeightedSumArgs& a, int64_t t) {
     if (e >= 0 && e < a.num_experts)
       for (int32_t j = 0; j < k && !duplicate; ++j) duplicate = ids[j] == e;
     if (!duplicate && e >= -1 && e < a.num_experts) continue;
-    if (duplicate) atomicAdd_system(&a.check->duplicated_slots, 1u);
-    if (atomicAdd_system(&a.check->bad_slots, 1u) == 0) {
-      a.check->token = t;
-      a.check->k = k;
-      a.check->id = e;
-      a.check->duplicate = duplicate;
-      __threadfence_system();
-      atomicExch_system(&a.check->published, 1u);
+    if (duplicate) atomicAdd(&a.tally->duplicated_slots, 1u);
+    if (atomicAdd(&a.tally->bad_slots, 1u) == 0) {  // the first: its details
+      a.tally->token = t;
+      a.tally->k = k;
+      a.tally->id = e;
+      a.tally->duplicate = duplicate;
+      __threadfence();  // before the block says it is done (publish_tally)
     }
   }
 }
 
-__global__ void __launch_bounds__(kThreads) weighted_sum_kernel(WeightedSumArgs a) {
-  const int64_t vecs_per_row = a.hidden / 8;
-  const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  if (i >= a.num_tokens * vecs_per_row) return;
-  const int64_t t = i / vecs_per_row;
-  const int64_t v = i % vecs_per_row;
+// The call's last block (thread 0): adds the tally to the host-mapped report (plain stores: the
+// device is its only writer while calls run in stream order; the host clears it between reads),
+// publishes the first bad slot if the report has none, and zeroes the tally for the next call.
+__device__ void publish_tally(const WeightedSumArgs& a) {
+  __threadfence();
+  if (atomicAdd(&a.tally->blocks_done, 1u) != gridDim.x - 1) return;
+  __threadfence();
+  volatile RoutingTally* tally = a.tally;
+  volatile RoutingCheck* check = a.check;
+  if (tally->bad_slots > 0) {
+    check->duplicated_slots = check->duplicated_slots + tally->duplicated_slots;
+    const bool first = check->bad_slots == 0;
+    check->bad_slots = check->bad_slots + tally->bad_slots;
+    if (first) {
+      check->token = tally->token;
+      check->k = tally->k;
+      check->id = tally->id;
+      check->duplicate = tally->duplicate;
+      __threadfence_system();
+      check->published = 1;
+    }
+    __threadfence_system();
+  }
+  tally->bad_slots = 0;
+  tally->duplicated_slots = 0;
+  tally->blocks_done = 0;
+}
+
+// Thread i: 8 columns (v) of token t.
+__device__ void sum_token_columns(const WeightedSumArgs& a, int64_t t, int64_t v) {
   if (a.check && v == 0) check_token_ids(a, t);
   float acc[8] = {};
   for (int32_t k0 = 0; k0 < a.top_k; k0 += kBatch) {
@@ -78,9 +101,19 @@ __global__ void __launch_bounds__(kThreads) weighted_sum_kernel(WeightedSumArgs 
   reinterpret_cast<int4*>(a.y + t * a.hidden)[v] = out;
 }
 
+__global__ void __launch_bounds__(kThreads) weighted_sum_kernel(WeightedSumArgs a) {
+  const int64_t vecs_per_row = a.hidden / 8;
+  const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  if (i < a.num_tokens * vecs_per_row) sum_token_columns(a, i / vecs_per_row, i % vecs_per_row);
+  if (!a.check) return;
+  __syncthreads();  // the block's ids are counted
+  if (threadIdx.x == 0) publish_tally(a);
+}
+
 }  // namespace
 
 cudaError_t launch_weighted_sum(const WeightedSumArgs& args, cudaStream_t stream) {
+  if (args.check && !args.tally) return cudaErrorInvalidValue;
   const int64_t threads = args.num_tokens * (args.hidden / 8);
   if (threads == 0) return cudaSuccess;
   weighted_sum_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0,

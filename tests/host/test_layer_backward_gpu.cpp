@@ -6,7 +6,9 @@
 // ring slot) and an I that ends in a partial gate/up tile; fp32 gradients written, then
 // accumulated (a second backward doubles them), and bf16 gradients; a repeated backward gives
 // bitwise the same gradients (no atomics, fixed summation orders), and so does forward +
-// backward captured in a CUDA graph and replayed. Outputs are poisoned first.
+// backward captured in a CUDA graph and replayed. The backward megakernel (the default) with its
+// default and with one communication SM, and the unfused backward with and without its side
+// stream. Outputs are poisoned first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -34,7 +36,9 @@ struct GradOptions {
   bool check_repeatable = false;  // run the (writing) backward again: bitwise the same outputs
   // Then capture forward + backward in a CUDA graph and replay it: bitwise the same outputs.
   bool check_graph = false;
-  int32_t side_sms = -1;  // >= 0: LayerInternals::set_backward_side_sms (0: no side stream)
+  bool unfused = false;    // LayerInternals::use_unfused_backward
+  int32_t side_sms = -1;  // unfused, >= 0: LayerInternals::set_backward_side_sms (0: none)
+  int32_t comm_sms = 0;   // > 0: LayerInternals::set_backward_comm_sms (the megakernel's)
 };
 
 // Every rank's gradients as floats, in reference::RankGrads' layout.
@@ -90,8 +94,13 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     c.ep_rank = rank;
     std::unique_ptr<Layer> layer;
     if (Status s = Layer::create(c, comm, &layer); !s.ok()) return s;
+    if (options.unfused)
+      if (Status s = LayerInternals::use_unfused_backward(*layer, true); !s.ok()) return s;
     if (options.side_sms >= 0)
       if (Status s = LayerInternals::set_backward_side_sms(*layer, options.side_sms); !s.ok())
+        return s;
+    if (options.comm_sms > 0)
+      if (Status s = LayerInternals::set_backward_comm_sms(*layer, options.comm_sms); !s.ok())
         return s;
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
     const int64_t T = in[rank].num_tokens;
@@ -293,9 +302,21 @@ TEST(LayerBackwardGpu, Ep2RingWrapAndIntermediateTail) {
   c.intermediate = 320;
   const std::vector<int64_t> tokens = tokens_for(c, 700, 333);
   run_and_check(c, testing::make_call(c, tokens, Routing::kImbalanced, 10));
-  GradOptions in_order;  // no side stream: x pull and dx push in order on the caller's stream
-  in_order.side_sms = 0;
-  run_and_check(c, testing::make_call(c, tokens, Routing::kUniform, 12), in_order);
+  GradOptions one_comm_sm;  // every dy and x row pulled by one CTA (and the head by all)
+  one_comm_sm.comm_sms = 1;
+  run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 14), one_comm_sm);
+}
+
+TEST(LayerBackwardGpu, UnfusedBackwardWithAndWithoutSideStream) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  LayerConfig c = small_ring_config(700);
+  c.intermediate = 320;
+  const std::vector<int64_t> tokens = tokens_for(c, 500, 333);
+  GradOptions unfused;
+  unfused.unfused = true;
+  run_and_check(c, testing::make_call(c, tokens, Routing::kImbalanced, 15), unfused);
+  unfused.side_sms = 0;  // no side stream: x pull and dx push in order on the caller's stream
+  run_and_check(c, testing::make_call(c, tokens, Routing::kUniform, 12), unfused);
 }
 
 TEST(LayerBackwardGpu, CapturedInCudaGraph) {

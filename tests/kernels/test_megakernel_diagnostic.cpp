@@ -6,7 +6,7 @@
 #include <string>
 
 #include "common/megakernel_tasks.h"
-#include "kernels/moe_forward_megakernel.cuh"
+#include "kernels/moe_megakernel.cuh"
 
 namespace epflow::kernels {
 namespace {

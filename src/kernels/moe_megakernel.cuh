@@ -1,11 +1,17 @@
-// The fused forward megakernel: pull dispatch, gate/up GEMM + SwiGLU, down GEMM and push combine
-// in one persistent, cooperative launch whose CTAs are split into a communication partition
-// (the first comm_ctas CTAs: pull token rows over NVLink into the ring) and a compute partition
-// (the rest: the warp-specialised wgmma GEMM of grouped_gemm.cuh, fed tile by tile; the down
-// GEMM's epilogue pushes each output row into its owner's (token, k) slot). Routed x and h rows
-// live in a ring of ring_tiles row tiles reused macrobatch by macrobatch; the partitions hand
-// tiles to each other only through per-slot counters in local memory
-// (src/common/megakernel_tasks.h).
+// The fused megakernel, in two passes of one persistent, cooperative launch whose CTAs are split
+// into a communication partition (the first comm_ctas CTAs: pull token rows over NVLink into the
+// ring) and a compute partition (the rest: the warp-specialised wgmma GEMM of grouped_gemm.cuh,
+// fed tile by tile), handing tiles to each other only through per-slot counters in local memory
+// (src/common/megakernel_tasks.h: the same task lists and waits for both passes).
+//   Forward: pull x rows; gate/up GEMM + SwiGLU into the ring's h rows; down GEMM whose epilogue
+//   pushes each output row into its owner's (token, k) slot. Routed x and h rows live in a ring
+//   of ring_tiles row tiles reused macrobatch by macrobatch.
+//   Backward (the input-gradient half of the layer's backward): pull dy rows; dhp = dy W_down
+//   with the SwiGLU and router-weight backward in its epilogue (from the forward's kept g | u),
+//   writing w·h and [dg | du]; dx = [dg | du] [W_gate; W_up] pushed from the epilogue into the
+//   owners' (token, k) slots; the communication CTAs also pull the x rows the weight gradients
+//   read. Its "ring" holds every routed row (ring_tiles >= the pull table's tiles: no wrap),
+//   because the weight-gradient GEMMs that follow read all of them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,6 +20,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/hd.h"
 #include "common/routing_schedule.h"
 #include "kernels/layer_kernels.cuh"
 
@@ -36,6 +43,7 @@ inline constexpr int kMaxDiagnosedCtas = 160;
 
 struct MegakernelDiagnostic {
   uint32_t set;  // 0 until a wait times out; the first one to time out fills the rest
+  int32_t backward;  // the pass: 0 forward, 1 backward
   int32_t rank, cta, compute;  // compute: 1 compute partition, 0 communication partition
   int32_t task_kind, m_tile, n_tile, counter, slot, m_tiles, ring_tiles;
   int32_t minibatch_tiles, n_gate_up, n_down, comm_ctas, ctas;
@@ -58,10 +66,10 @@ struct MegakernelTraceRecord {
 };
 inline constexpr int kTraceRecordsPerCta = 2048;  // later tasks of a CTA are not recorded
 
-struct ForwardMegakernelArgs {
+struct MegakernelArgs {
   PeerWindows peers;
-  size_t x_offset = 0;        // window offset of the tokens peers pull
-  size_t combine_offset = 0;  // window offset of the (token, k) result slots
+  size_t x_offset = 0;        // window offset of the rows peers pull (forward: x; backward: dy)
+  size_t combine_offset = 0;  // window offset of the (token, k) result slots (y, or dx)
   const sched::PullRow* table = nullptr;
   const int64_t* seg_offset = nullptr;   // device [experts + 1]
   const int32_t* expert_rows = nullptr;  // device [experts]: real rows per expert
@@ -71,9 +79,11 @@ struct ForwardMegakernelArgs {
   int32_t top_k = 0;
   int32_t ring_tiles = 0;       // ring capacity in 128-row tiles
   int32_t minibatch_tiles = 0;  // divides ring_tiles
-  __nv_bfloat16* ring_x = nullptr;  // [ring_tiles * 128, H]
-  __nv_bfloat16* ring_h = nullptr;  // [ring_tiles * 128, I]
-  uint32_t* counters = nullptr;  // forward_megakernel_counter_bytes, zero before each launch
+  // Forward: x [ring_tiles * 128, H] and h [.., I]. Backward: dy [.., H] and [dg | du] [.., 2I],
+  // padding rows of every tile written as zeros (the weight gradients sum over them).
+  __nv_bfloat16* ring_x = nullptr;
+  __nv_bfloat16* ring_h = nullptr;
+  uint32_t* counters = nullptr;  // megakernel_counter_bytes, zero before each launch
   const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
   const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]
   const __nv_bfloat16* w_down = nullptr;  // [experts, H, I]
@@ -82,17 +92,31 @@ struct ForwardMegakernelArgs {
   int64_t timeout_ns = 0;
   MegakernelDiagnostic* diagnostic = nullptr;  // host-mapped
   MegakernelTraceRecord* trace = nullptr;      // optional: [grid][kTraceRecordsPerCta]
-  // Optional (training): [pull-table rows, 2I], each routed row's g | u (bf16) for the backward.
+  // Forward, optional (training): [pull-table rows, 2I], each routed row's g | u (bf16).
   __nv_bfloat16* gate_up_out = nullptr;
+  // Backward only.
+  const __nv_bfloat16* gate_up_in = nullptr;  // the forward's gate_up_out
+  size_t weights_offset = 0;    // window offset of the owners' router weights [T, K] (fp32)
+  __nv_bfloat16* wh_out = nullptr;   // [ring rows, I]: w·h (the down weight gradient's rhs)
+  float* dw_partial = nullptr;       // [ring rows, backward_dh_tiles(I)]: <dhp, h> per n tile
+  size_t x_pull_offset = 0;          // window offset of x, pulled into x_out
+  __nv_bfloat16* x_out = nullptr;    // [ring rows, H]: x rows (padding rows zero)
 };
+
+// N tiles of the backward's dhp GEMM (the columns of dw_partial).
+EPFLOW_HD int32_t backward_dh_tiles(int64_t intermediate) {
+  return static_cast<int32_t>((intermediate + 255) / 256);
+}
 
 // Bytes of counters (and per-CTA progress words) for a ring of ring_tiles tiles and sm_count
 // CTAs.
-size_t forward_megakernel_counter_bytes(int32_t ring_tiles, int32_t sm_count);
+size_t megakernel_counter_bytes(int32_t ring_tiles, int32_t sm_count);
 
 // One CTA per SM (sm_count CTAs), cooperative so that every CTA is resident (the partitions
 // wait on each other). Expects the counters zeroed (cudaMemsetAsync before, stream-ordered).
-cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& args, int32_t sm_count,
+cudaError_t launch_forward_megakernel(const MegakernelArgs& args, int32_t sm_count,
                                       cudaStream_t stream);
+cudaError_t launch_backward_megakernel(const MegakernelArgs& args, int32_t sm_count,
+                                       cudaStream_t stream);
 
 }  // namespace epflow::kernels

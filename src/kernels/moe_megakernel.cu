@@ -1,5 +1,7 @@
-// The fused forward megakernel (moe_forward_megakernel.cuh). Task lists, counters and the
-// argument that no wait can deadlock: src/common/megakernel_tasks.h and docs/ARCHITECTURE.md.
+// The fused megakernel, forward and backward passes (moe_megakernel.cuh). Task lists, counters
+// and the argument that no wait can deadlock: src/common/megakernel_tasks.h and
+// docs/ARCHITECTURE.md. The passes share the task lists, the counters, the pulls, the dynamic
+// schedule and the timed waits; they differ in the GEMMs' operands and epilogues (Pass).
 #include <cuda.h>
 
 #include <cstddef>
@@ -8,7 +10,7 @@
 
 #include "common/megakernel_tasks.h"
 #include "kernels/grouped_gemm.cuh"
-#include "kernels/moe_forward_megakernel.cuh"
+#include "kernels/moe_megakernel.cuh"
 #include "kernels/ptx/timed_wait.cuh"
 
 namespace epflow::kernels {
@@ -21,9 +23,14 @@ using mega::Task;
 using mega::TaskKind;
 using mega::TaskShape;
 
+// Forward: x -> gate/up + SwiGLU -> down, pushed. Backward: dy -> dhp + SwiGLU backward ->
+// [dg | du] [W_gate; W_up], pushed (and x pulled for the weight gradients).
+enum class Pass { kForward, kBackward };
+
 // NOTES: the down GEMM pushes its outputs from registers (no staging), so only the gate/up
 // epilogue stages in shared memory: 4 x 48 KB of A/B tiles + 2 x 16 KB staging = 224 KB of 227.
 constexpr int kStages = 4;
+constexpr int kStaging = gemm::kStagingBytes<Epilogue::kSwiGLU>;
 // Dispatch moves each x row as two bulk copies (TMA) through a row buffer in shared memory: the
 // source (local HBM or a peer over NVLink) into the buffer, the buffer into the ring. Up to
 // kPullWarps warps per CTA (lane 0 of each issues) keep up to kMaxPullRows rows in flight, in
@@ -35,7 +42,7 @@ constexpr int kMaxPullRows = 64;
 constexpr int kPullWarps = 4;
 
 struct alignas(1024) MegaSmem {
-  gemm::GemmSmem<kStages, gemm::kStagingBytes<Epilogue::kSwiGLU>> gemm;
+  gemm::GemmSmem<kStages, kStaging> gemm;
   // Consumer warpgroup w -> its store thread: "staging w holds a tile" / "staging w is free".
   uint64_t staging_full[2];
   uint64_t staging_empty[2];
@@ -62,7 +69,7 @@ struct alignas(1024) MegaSmem {
 struct RingSink {
   static constexpr bool kDirect = false;
   MegaSmem* s;
-  const ForwardMegakernelArgs* a;
+  const MegakernelArgs* a;
   uint32_t* counter = nullptr;  // the current tile's counter
   int64_t task = 0;             // the current tile's task
   uint32_t uses = 0;
@@ -132,7 +139,7 @@ struct RingSink {
 // in which warp 0 would hold back the warpgroup's next MMAs).
 struct PushCombineSink {
   static constexpr bool kDirect = true;
-  const ForwardMegakernelArgs* a;
+  const MegakernelArgs* a;
   uint32_t* counter = nullptr;
   char* dst[2] = {nullptr, nullptr};  // the thread's rows in their combine slots at this n tile
   int32_t cols = 0;                   // columns of this n tile inside H
@@ -172,21 +179,155 @@ struct PushCombineSink {
   }
 };
 
-struct Maps {
-  CUtensorMap x, x_rows;   // ring x as the gate/up GEMM's rows (128-row and 16-row boxes)
-  CUtensorMap gate, up;    // [E, I, H], 128-row boxes
-  CUtensorMap h_out;       // ring h as the gate/up output (64 x 64 boxes)
-  CUtensorMap h, h_rows;   // ring h as the down GEMM's rows
-  CUtensorMap down;        // [E, H, I], 256-row boxes
+// Backward dhp tiles (dhp = dy W_down): the SwiGLU and router-weight backward in the epilogue,
+// straight from the accumulators. Per routed row (its table row is its ring row: the backward's
+// ring does not wrap) and column i of the tile, from the forward's kept g | u and the row's
+// router weight w (read from its owner's window before the mainloop): h = silu(g) u rounded as
+// the forward stored it, w·h (the down weight gradient's rhs), dg = w dhp u silu'(g) and
+// du = w dhp silu(g) (the dx GEMM's rows), 16 bytes per lane (quad_gather_block); and the row's
+// <dhp, h> over the tile's columns into dw_partial (router_weight_grad sums the n tiles in order:
+// d w is deterministic). Padding rows get zeros: the weight-gradient GEMMs sum over whole tiles.
+// The counter says the tile's [dg | du] rows are written, so each warpgroup signals after all
+// its threads stored (and fenced them for the dx GEMM's TMA loads).
+struct DhSink {
+  static constexpr bool kDirect = true;
+  const MegakernelArgs* a;
+  uint32_t* counter = nullptr;
+  gemm::TileCoord c;                       // the current tile (skip() needs it too)
+  const __nv_bfloat16* gu[2] = {nullptr, nullptr};  // the thread's rows' g here (u: + I); null: padding
+  __nv_bfloat16* wh[2];   // the thread's rows of w·h at this n tile
+  __nv_bfloat16* dgu[2];  // ... and of [dg | du]
+  int64_t row[2];          // the thread's two ring rows
+  float w[2], dot[2];
+  int32_t cols = 0, q = 0, wg = 0, tid = 0;
+  uint32_t wh_pairs[2][4], dg_pairs[2][4], du_pairs[2][4];
+
+  __device__ __forceinline__ void prepare(const gemm::TileCoord& tile, int warpgroup, int thread) {
+    c = tile;
+    wg = warpgroup;
+    tid = thread;
+    const int64_t I = a->intermediate, col0 = int64_t{tile.n_tile} * gemm::kBlockNMma;
+    q = tid % 4;
+    cols = static_cast<int32_t>(I - col0);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row[half] = int64_t{tile.a_row} + wg * 64 + tid / 32 * 16 + tid % 32 / 4 + 8 * half;
+      wh[half] = a->wh_out + row[half] * I + col0;
+      dgu[half] = a->ring_h + row[half] * 2 * I + col0;
+      dot[half] = 0.0f;
+      w[half] = 0.0f;
+      gu[half] = nullptr;
+      if (row[half] - tile.a_row < tile.rows) {
+        gu[half] = a->gate_up_in + row[half] * 2 * I + col0;
+        const sched::PullRow r = a->table[row[half]];
+        w[half] = *reinterpret_cast<const float*>(a->peers.base[r.src_rank] + a->weights_offset +
+                                                  int64_t{r.src_slot} * sizeof(float));
+        // This lane's quarter of the row's g and u columns, into L2 while the MMAs run.
+        const int64_t line = int64_t{q} * 64;  // 128 bytes of bf16
+        if (line < cols) {
+          ptx::prefetch_l2(gu[half] + line);
+          ptx::prefetch_l2(gu[half] + I + line);
+        }
+      }
+    }
+  }
+  __device__ __forceinline__ void begin(int, int) {}
+  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
+  __device__ __forceinline__ void write(int j, int half, float d0, float d1) {
+    const int col = 8 * j + 2 * q;
+    float wh0 = 0.0f, wh1 = 0.0f, dg0 = 0.0f, dg1 = 0.0f, du0 = 0.0f, du1 = 0.0f;
+    if (gu[half] && col < cols) {
+      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gu[half] + col));
+      const float2 u = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(gu[half] + a->intermediate + col));
+      auto one = [&](float gv, float uv, float dhp, float* whv, float* dgv, float* duv) {
+        const float sig = 1.0f / (1.0f + __expf(-gv));
+        const float silu = gv * sig;
+        const float h = __bfloat162float(__float2bfloat16(silu * uv));
+        dot[half] = fmaf(dhp, h, dot[half]);
+        const float dh = w[half] * dhp;
+        *whv = w[half] * h;
+        *duv = dh * silu;
+        *dgv = dh * uv * sig * (1.0f + gv * (1.0f - sig));
+      };
+      one(g.x, u.x, d0, &wh0, &dg0, &du0);
+      one(g.y, u.y, d1, &wh1, &dg1, &du1);
+    }
+    wh_pairs[half][j % 4] = gemm::bf16_pair(wh0, wh1);
+    dg_pairs[half][j % 4] = gemm::bf16_pair(dg0, dg1);
+    du_pairs[half][j % 4] = gemm::bf16_pair(du0, du1);
+    if (j % 4 != 3 || half != 1) return;
+    const int block = 8 * (j - 3 + q);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 vwh = gemm::quad_gather_block(wh_pairs[h], q);
+      const uint4 vdg = gemm::quad_gather_block(dg_pairs[h], q);
+      const uint4 vdu = gemm::quad_gather_block(du_pairs[h], q);
+      if (block < cols) {
+        *reinterpret_cast<uint4*>(wh[h] + block) = vwh;
+        *reinterpret_cast<uint4*>(dgu[h] + block) = vdg;
+        *reinterpret_cast<uint4*>(dgu[h] + a->intermediate + block) = vdu;
+      }
+    }
+    if (j != gemm::kBlockNMma / 8 - 1) return;
+    // The quad's four partial sums of each row, in a fixed order.
+    const int32_t n_dh = backward_dh_tiles(a->intermediate);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v = dot[h];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (q == 0 && gu[h]) a->dw_partial[row[h] * n_dh + c.n_tile] = v;
+    }
+    finish();
+  }
+  // After the epilogue (every thread of the warpgroup): the tile's rows are written; signal.
+  __device__ __forceinline__ void finish() {
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // the dx GEMM reads them by TMA
+    ptx::named_barrier_sync(1 + wg, 128);
+    if (tid == 0) ptx::signal_counter(counter);
+  }
+  // A warpgroup whose 64 rows are all padding: zeros for them (w·h and [dg | du] at this n tile).
+  __device__ __forceinline__ void skip(int warpgroup, int thread) {
+    wg = warpgroup;
+    tid = thread;
+    const int64_t I = a->intermediate, col0 = int64_t{c.n_tile} * gemm::kBlockNMma;
+    const int32_t chunks =
+        static_cast<int32_t>((I - col0 < gemm::kBlockNMma ? I - col0 : gemm::kBlockNMma) / 8);
+    for (int32_t i = tid; i < 64 * 3 * chunks; i += 128) {
+      const int64_t row = int64_t{c.a_row} + wg * 64 + i / (3 * chunks);
+      const int32_t part = i % (3 * chunks) / chunks, col = i % chunks * 8;
+      __nv_bfloat16* dst = part == 0 ? a->wh_out + row * I + col0 + col
+                                     : a->ring_h + row * 2 * I + (part - 1) * I + col0 + col;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+    finish();
+  }
 };
 
-__device__ __forceinline__ TaskShape task_shape(const ForwardMegakernelArgs& a) {
+// The TMA maps of the two GEMMs. First GEMM (gate/up tasks): rows1 (128-row boxes) and
+// rows1_few (16-row boxes) over ring_x; weights w1a, w1b. Second GEMM (down tasks): rows2,
+// rows2_few over ring_h; weights w2a, w2b.
+//   Forward: w1a, w1b = W_gate, W_up [E, I, H] (128-row boxes: a tile is 128 gate + 128 up
+//   rows); h_out = ring h as the SwiGLU output (64 x 64 boxes); w2a = w2b = W_down [E, H, I]
+//   (256-row boxes).
+//   Backward: w1a = w1b = W_down read N-major ([E, H, I] as k = H, n = I); w2a, w2b = W_gate,
+//   W_up read N-major (k = I each: the dx GEMM's K is [dg | du]); h_out unused.
+struct Maps {
+  CUtensorMap rows1, rows1_few, w1a, w1b, h_out, rows2, rows2_few, w2a, w2b;
+};
+
+template <Pass P>
+__device__ __forceinline__ TaskShape task_shape(const MegakernelArgs& a) {
   TaskShape s;
   s.m_tiles = static_cast<int32_t>(a.seg_offset[a.experts] / kBlockM);
   s.ring_tiles = a.ring_tiles;
   s.minibatch_tiles = a.minibatch_tiles;
-  s.n_gate_up = (a.intermediate + gemm::kOutCols<Epilogue::kSwiGLU> - 1) /
-                gemm::kOutCols<Epilogue::kSwiGLU>;
+  // Output columns of a first-GEMM tile: 128 of h (256 accumulator columns: gate and up), or
+  // 256 of dhp.
+  constexpr int kCols1 = P == Pass::kForward ? gemm::kOutCols<Epilogue::kSwiGLU>
+                                             : gemm::kOutCols<Epilogue::kStore>;
+  s.n_gate_up = (a.intermediate + kCols1 - 1) / kCols1;
   s.n_down = (a.hidden + gemm::kOutCols<Epilogue::kStore> - 1) / gemm::kOutCols<Epilogue::kStore>;
   s.head_tiles = mega::head_tiles_of(s.m_tiles, s.minibatch_tiles);
   return s;
@@ -194,7 +335,7 @@ __device__ __forceinline__ TaskShape task_shape(const ForwardMegakernelArgs& a) 
 
 // The GEMM tile of a compute task: its expert, its routed rows (a prefix of the tile: segments
 // are padded at their end) and its rows in the ring.
-__device__ __forceinline__ gemm::TileCoord tile_of(const ForwardMegakernelArgs& a, const TaskShape& s,
+__device__ __forceinline__ gemm::TileCoord tile_of(const MegakernelArgs& a, const TaskShape& s,
                                    const Task& t) {
   gemm::TileCoord c;
   c.m_tile = t.m_tile;
@@ -207,35 +348,36 @@ __device__ __forceinline__ gemm::TileCoord tile_of(const ForwardMegakernelArgs& 
   return c;
 }
 
-__device__ __forceinline__ uint32_t* counter_of(const ForwardMegakernelArgs& a, int32_t slot, mega::Counter c) {
+__device__ __forceinline__ uint32_t* counter_of(const MegakernelArgs& a, int32_t slot, mega::Counter c) {
   return a.counters + slot * mega::kCounters + static_cast<int>(c);
 }
 
 // The counters region: kCounters per ring slot, the compute task claim counter, the timeout
 // election, the head dispatch claim counter, then (8-byte aligned) kProgressWords per CTA.
 constexpr int kClaimWords = 3;
-__device__ __forceinline__ uint32_t* claim_counter(const ForwardMegakernelArgs& a) {
+__device__ __forceinline__ uint32_t* claim_counter(const MegakernelArgs& a) {
   return a.counters + mega::kCounters * a.ring_tiles;
 }
-__device__ __forceinline__ uint32_t* timeout_election(const ForwardMegakernelArgs& a) {
+__device__ __forceinline__ uint32_t* timeout_election(const MegakernelArgs& a) {
   return claim_counter(a) + 1;
 }
-__device__ __forceinline__ uint32_t* head_claim_counter(const ForwardMegakernelArgs& a) {
+__device__ __forceinline__ uint32_t* head_claim_counter(const MegakernelArgs& a) {
   return claim_counter(a) + 2;
 }
-__device__ __forceinline__ volatile uint64_t* progress_of(const ForwardMegakernelArgs& a,
+__device__ __forceinline__ volatile uint64_t* progress_of(const MegakernelArgs& a,
                                                           int cta) {
   const int32_t words = (mega::kCounters * a.ring_tiles + kClaimWords + 1) / 2;
   return reinterpret_cast<volatile uint64_t*>(a.counters) + words + cta * kProgressWords;
 }
-__device__ __forceinline__ void record_progress(const ForwardMegakernelArgs& a, int word,
+__device__ __forceinline__ void record_progress(const MegakernelArgs& a, int word,
                                                 int64_t task) {
   progress_of(a, blockIdx.x)[word] = static_cast<uint64_t>(task + 1);
 }
 
 // Blocks (one thread) until the task's slot is ready; on timeout records who waited for what
 // (MegakernelDiagnostic) and traps.
-__device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, const TaskShape& s,
+template <Pass P>
+__device__ __forceinline__ void wait_for_task(const MegakernelArgs& a, const TaskShape& s,
                                               const Task& t, bool compute) {
   mega::WaitTarget w[2];
   const int n = mega::wait_targets(s, t, w);
@@ -248,6 +390,7 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
       // host-mapped record would need PCIe atomics, which a host may lack); `set` goes last.
       if (atomicCAS(timeout_election(a), 0u, 1u) == 0u) {
         volatile MegakernelDiagnostic* v = a.diagnostic;
+        v->backward = P == Pass::kBackward;
         v->rank = a.rank;
         v->cta = blockIdx.x;
         v->compute = compute;
@@ -282,7 +425,7 @@ __device__ __forceinline__ void wait_for_task(const ForwardMegakernelArgs& a, co
 }
 
 // Records task i of this CTA's n-th traced task (one thread per CTA calls it).
-__device__ __forceinline__ void trace_task(const ForwardMegakernelArgs& a, int32_t n, int64_t i,
+__device__ __forceinline__ void trace_task(const MegakernelArgs& a, int32_t n, int64_t i,
                                            const Task& t, uint64_t taken, uint64_t ready) {
   if (!a.trace || n >= kTraceRecordsPerCta) return;
   MegakernelTraceRecord& r = a.trace[int64_t{blockIdx.x} * kTraceRecordsPerCta + n];
@@ -307,19 +450,19 @@ struct RowPipe {
 };
 
 // x rows (H bf16 each) that fit the GEMM's stage and staging memory.
-__device__ __forceinline__ int32_t row_buffers(const ForwardMegakernelArgs& a) {
+__device__ __forceinline__ int32_t row_buffers(const MegakernelArgs& a) {
   return static_cast<int32_t>(offsetof(decltype(MegaSmem::gemm), full) /
                               (static_cast<size_t>(a.hidden) * 2));
 }
 
 // The dispatching warps of a CTA: kPullWarps when each gets two row buffers or more, else as
 // many as do (one at worst: Limits::kMaxHidden leaves room for three rows).
-__device__ __forceinline__ int32_t pull_warps(const ForwardMegakernelArgs& a) {
+__device__ __forceinline__ int32_t pull_warps(const MegakernelArgs& a) {
   const int32_t fit = row_buffers(a);
   return fit / 2 < kPullWarps ? fit / 2 : kPullWarps;
 }
 
-__device__ __forceinline__ RowPipe make_row_pipe(const ForwardMegakernelArgs& a, MegaSmem& smem,
+__device__ __forceinline__ RowPipe make_row_pipe(const MegakernelArgs& a, MegaSmem& smem,
                                                  int32_t warp) {
   RowPipe p;
   p.warp = warp;
@@ -337,26 +480,57 @@ __device__ __forceinline__ void pull_warps_sync(const RowPipe& pipe) {
   ptx::named_barrier_sync(3, 32 * pipe.warps);
 }
 
-// Dispatch task t (every dispatching warp, converged): copies its rows into the ring slot, waits
-// until they have landed and signals the slot's x_ready; thread 0 traces it as record n.
+// What one pull copies: rows [begin, end) of a row tile, from the window region at src_offset
+// ([T, H] per rank: x or dy) into the tile's rows at dst; rows [zero_from, kBlockM) of the tile
+// are written as zeros (the backward's weight gradients sum over padding rows: kBlockM, none);
+// signal: the slot's counter says the rows are in (a pull the GEMMs do not wait for: none).
+struct PullJob {
+  size_t src_offset;
+  uint8_t* dst;
+  int32_t begin, end, zero_from;
+  bool signal;
+};
+
+// The pull of dispatch task t: the tile's rows (or a head part's share) into its ring slot.
+// Backward: the part that starts at row 0 (or the whole tile) also zeroes the padding rows.
+template <Pass P>
+__device__ __forceinline__ PullJob dispatch_job(const MegakernelArgs& a, const TaskShape& s,
+                                                const Task& t) {
+  const int32_t rows = tile_of(a, s, t).rows;
+  PullJob job;
+  job.src_offset = a.x_offset;
+  job.dst = reinterpret_cast<uint8_t*>(a.ring_x) +
+            int64_t{mega::ring_slot_of_tile(s, t.m_tile)} * kBlockM * a.hidden * 2;
+  mega::dispatch_rows(s, t, rows, &job.begin, &job.end);
+  job.zero_from = P == Pass::kBackward && job.begin == 0 ? rows : kBlockM;
+  job.signal = true;
+  return job;
+}
+
+// The backward's x pull of row tile m (for the weight gradients, after the GEMMs' own pulls).
+__device__ __forceinline__ PullJob x_job(const MegakernelArgs& a, const TaskShape& s, int32_t m) {
+  const int32_t rows = tile_of(a, s, Task{TaskKind::kDispatch, m, 0}).rows;
+  return PullJob{a.x_pull_offset,
+                 reinterpret_cast<uint8_t*>(a.x_out) + int64_t{m} * kBlockM * a.hidden * 2, 0,
+                 rows, rows, false};
+}
+
+// Pull job of task t (every dispatching warp, converged): copies its rows, waits until they
+// have landed and signals the slot's x_ready; thread 0 traces it as record n.
 // NOTES: row j goes to warp j % warps, which copies its rows in order through its own buffers,
 // refilling the buffer of its row j - 1 with row j - 1 + slots once row j's store is issued and
 // row j - 1's store has read it. Several warps, because one copy chain is latency-bound (in
 // epflow-row-copy-probe on 2xH200 one chain moved a row every ~0.3 us whether it held 4 or 14 KB;
 // four chains moved 4 KB rows 3x faster). The lanes read the table 32 entries at a time, so the
 // chain has no dependent global load per row.
-__device__ __forceinline__ void pull_rows(const ForwardMegakernelArgs& a, const TaskShape& s,
-                                          const Task& t, int64_t i, int32_t n, uint64_t taken,
-                                          uint64_t ready, RowPipe& pipe) {
+__device__ __forceinline__ void pull_rows(const MegakernelArgs& a, const TaskShape& s,
+                                          const Task& t, const PullJob& job, int64_t i, int32_t n,
+                                          uint64_t taken, uint64_t ready, RowPipe& pipe) {
   const int lane = threadIdx.x % 32;
-  const int32_t slot = mega::ring_slot_of_tile(s, t.m_tile);
-  int32_t begin = 0, end = 0;
-  mega::dispatch_rows(s, t, tile_of(a, s, t).rows, &begin, &end);
   // This warp's rows of the task: k = 0 .. mine-1 is the task's row begin + warp + k * warps.
-  const int32_t first = begin + pipe.warp;
-  const int32_t mine = end > first ? (end - first + pipe.warps - 1) / pipe.warps : 0;
+  const int32_t first = job.begin + pipe.warp;
+  const int32_t mine = job.end > first ? (job.end - first + pipe.warps - 1) / pipe.warps : 0;
   const sched::PullRow* table = a.table + int64_t{t.m_tile} * kBlockM;
-  uint8_t* ring = reinterpret_cast<uint8_t*>(a.ring_x) + int64_t{slot} * kBlockM * pipe.row_bytes;
   // Lane l holds the source of this warp's row window + l (loads come in increasing k).
   int32_t window = -32;
   uint64_t src = 0;
@@ -366,7 +540,7 @@ __device__ __forceinline__ void pull_rows(const ForwardMegakernelArgs& a, const 
       const int32_t kk = k + lane;
       if (kk < mine) {
         const sched::PullRow r = table[first + kk * pipe.warps];
-        src = reinterpret_cast<uint64_t>(a.peers.base[r.src_rank] + a.x_offset) +
+        src = reinterpret_cast<uint64_t>(a.peers.base[r.src_rank] + job.src_offset) +
               uint64_t{static_cast<uint32_t>(r.src_slot / a.top_k)} * pipe.row_bytes;
       }
     }
@@ -386,7 +560,7 @@ __device__ __forceinline__ void pull_rows(const ForwardMegakernelArgs& a, const 
     if (lane == 0) {
       const uint32_t q = pipe.seq + k;
       ptx::mbarrier_wait(&pipe.full[q % pipe.slots], (q / pipe.slots) & 1);
-      ptx::bulk_store(ring + int64_t{first + k * pipe.warps} * pipe.row_bytes,
+      ptx::bulk_store(job.dst + int64_t{first + k * pipe.warps} * pipe.row_bytes,
                       pipe.buf + q % pipe.slots * pipe.row_bytes, pipe.row_bytes);
       ptx::tma_store_commit();
       if (refill) ptx::bulk_wait_read<1>();
@@ -395,15 +569,24 @@ __device__ __forceinline__ void pull_rows(const ForwardMegakernelArgs& a, const 
     if (refill) load(k - 1 + slots);
   }
   pipe.seq += static_cast<uint32_t>(mine);
+  if (job.zero_from < kBlockM) {
+    const int32_t chunks = static_cast<int32_t>(pipe.row_bytes / 16);
+    for (int32_t r = job.zero_from + pipe.warp; r < kBlockM; r += pipe.warps)
+      for (int32_t c = lane; c < chunks; c += 32)
+        reinterpret_cast<uint4*>(job.dst + int64_t{r} * pipe.row_bytes)[c] = make_uint4(0, 0, 0, 0);
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // read by TMA, like the pulled rows
+  }
   if (lane == 0) {
     // The gate/up GEMM reads the dispatched rows with TMA loads once the counter says so.
     ptx::tma_store_wait_all();
     cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-    __threadfence();
   }
+  __threadfence();
   pull_warps_sync(pipe);
   if (threadIdx.x == 0) {
-    ptx::signal_counter(counter_of(a, slot, mega::signalled_counter(t.kind)));
+    if (job.signal)
+      ptx::signal_counter(counter_of(a, mega::ring_slot_of_tile(s, t.m_tile),
+                                     mega::signalled_counter(t.kind)));
     trace_task(a, n, i, t, taken, ready);
   }
 }
@@ -411,7 +594,8 @@ __device__ __forceinline__ void pull_rows(const ForwardMegakernelArgs& a, const 
 // Every CTA, before its role (the dispatching warps): claims the head tiles' dispatch parts one
 // at a time until none is left (they wait for nothing). Returns how many it ran (its trace
 // records so far).
-__device__ __forceinline__ int32_t dispatch_head(const ForwardMegakernelArgs& a,
+template <Pass P>
+__device__ __forceinline__ int32_t dispatch_head(const MegakernelArgs& a,
                                                  const TaskShape& s, RowPipe& pipe,
                                                  volatile int64_t& claimed) {
   const int64_t tasks = mega::num_head_tasks(s);
@@ -423,26 +607,38 @@ __device__ __forceinline__ int32_t dispatch_head(const ForwardMegakernelArgs& a,
     if (i >= tasks) break;
     const uint64_t now = a.trace ? ptx::global_timer_ns() : 0;
     // Its closing barrier also orders this read of `claimed` before the next claim.
-    pull_rows(a, s, mega::head_task(s, i), i, n, now, now, pipe);
+    const Task t = mega::head_task(s, i);
+    pull_rows(a, s, t, dispatch_job<P>(a, s, t), i, n, now, now, pipe);
   }
   return n;
 }
 
 // Communication partition after the head (the dispatching warps): the comm list's whole tiles,
-// round-robin. Returns the CTA's trace records so far.
-__device__ __forceinline__ int32_t comm_role(const ForwardMegakernelArgs& a, const TaskShape& s,
+// round-robin; in the backward, then the x rows of every tile (they wait for nothing and nothing
+// in the kernel waits for them: the weight gradients after it read them). Returns the CTA's
+// trace records so far.
+template <Pass P>
+__device__ __forceinline__ int32_t comm_role(const MegakernelArgs& a, const TaskShape& s,
                                              int32_t traced, RowPipe& pipe) {
   const int64_t tasks = mega::num_comm_tasks(s);
+  const int64_t x_tasks = P == Pass::kBackward ? s.m_tiles : 0;
   uint64_t taken = 0, ready = 0;
-  for (int64_t i = blockIdx.x; i < tasks; i += a.comm_ctas) {
+  for (int64_t i = blockIdx.x; i < tasks + x_tasks; i += a.comm_ctas) {
+    if (i >= tasks) {
+      const int32_t m = static_cast<int32_t>(i - tasks);
+      if (a.trace) taken = ready = ptx::global_timer_ns();
+      pull_rows(a, s, Task{TaskKind::kDispatch, m, 0}, x_job(a, s, m), i, traced++, taken, ready,
+                pipe);
+      continue;
+    }
     const Task t = mega::comm_task(s, i);
     if (threadIdx.x == 0) {
       if (a.trace) taken = ptx::global_timer_ns();
-      wait_for_task(a, s, t, false);
+      wait_for_task<P>(a, s, t, false);
       if (a.trace) ready = ptx::global_timer_ns();
     }
     pull_warps_sync(pipe);
-    pull_rows(a, s, t, i, traced++, taken, ready, pipe);
+    pull_rows(a, s, t, dispatch_job<P>(a, s, t), i, traced++, taken, ready, pipe);
   }
   return traced;
 }
@@ -459,11 +655,15 @@ __device__ __forceinline__ int32_t comm_role(const ForwardMegakernelArgs& a, con
 // the 4-stage lookahead did not hide). It claims only once the producer took the previous task,
 // so a CTA holds at most one task beyond the one it runs; tasks of a CTA are still taken in
 // list order, which keeps the no-deadlock argument.
-__device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegakernelArgs& a,
+template <Pass P>
+__device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs& a,
                                              const TaskShape& s, MegaSmem& smem, int32_t traced) {
   const int wg = threadIdx.x / 128;
   const int64_t tasks = mega::num_compute_tasks(s);
-  const int32_t k_gate_up = a.hidden / gemm::kBlockK, k_down = a.intermediate / gemm::kBlockK;
+  constexpr bool kBackward = P == Pass::kBackward;
+  // K of the two GEMMs: H, then I (forward: h) or 2I (backward: [dg | du], W_gate's K first).
+  const int32_t k_gate_up = a.hidden / gemm::kBlockK;
+  const int32_t k_down = (kBackward ? 2 : 1) * a.intermediate / gemm::kBlockK;
   volatile gemm::StageTag* stage_tag = smem.stage_tag;
   gemm::PipelineState<kStages> ps;
   if (wg == 0) {
@@ -477,7 +677,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         if (i < tasks) {
           const Task t = mega::compute_task(s, i);
           smem.next_tile = tile_of(a, s, t);
-          wait_for_task(a, s, t, true);
+          wait_for_task<P>(a, s, t, true);
         }
         smem.next_task = i < tasks ? i : -1;
         smem.next_taken = taken;
@@ -495,12 +695,23 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         if (i < 0) break;
         cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what was waited for
         const Task t = mega::compute_task(s, i);
-        if (t.kind == TaskKind::kGateUp)
-          gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.x, &m.x_rows,
-                                                &m.gate, &m.up, smem.stage_tag, i);
-        else
-          gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.h, &m.h_rows, &m.down,
-                                               &m.down, smem.stage_tag, i);
+        if constexpr (kBackward) {
+          constexpr auto kN = gemm::WeightMajor::kN;
+          if (t.kind == TaskKind::kGateUp)
+            gemm::produce_tile<Epilogue::kStore, kStages, kStaging, kN>(
+                smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b,
+                smem.stage_tag, i);
+          else
+            gemm::produce_tile<Epilogue::kStore, kStages, kStaging, kN>(
+                smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b,
+                smem.stage_tag, i, a.intermediate / gemm::kBlockK);
+        } else if (t.kind == TaskKind::kGateUp) {
+          gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.rows1,
+                                                &m.rows1_few, &m.w1a, &m.w1b, smem.stage_tag, i);
+        } else {
+          gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few,
+                                               &m.w2a, &m.w2b, smem.stage_tag, i);
+        }
         record_progress(a, kProducerLoaded, i);
         trace_task(a, traced + static_cast<int32_t>(n), i, t, taken, ready);
       }
@@ -519,7 +730,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
         // The consumers' tile (the scheduler looked it up once): no global loads before the stores.
         const volatile gemm::TileCoord& tag = staged[w].tile;
         const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
-        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
+        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);  // forward only
         ptx::tma_store_wait_read();
         ptx::mbarrier_arrive(&smem.staging_empty[w]);
         ptx::tma_store_wait_all();
@@ -534,6 +745,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
     const int tid = threadIdx.x % 128;
     RingSink ring{&smem, &a};
     PushCombineSink push{&a};
+    DhSink dh{&a};
     for (;;) {
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
       const int64_t i = stage_tag[ps.stage].task;
@@ -544,7 +756,19 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
       uint32_t* counter =
           counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
       if (tid == 0) record_progress(a, kConsumerTaken + wg - 1, i);
-      if (t.kind == TaskKind::kGateUp) {
+      if constexpr (kBackward) {
+        constexpr auto kN = gemm::WeightMajor::kN;
+        if (t.kind == TaskKind::kGateUp) {
+          dh.counter = counter;
+          dh.c = c;
+          gemm::consume_tile<Epilogue::kStore, kStages, kStaging, DhSink, kN>(
+              smem.gemm, ps, c, k_gate_up, wg - 1, dh);
+        } else {
+          push.counter = counter;
+          gemm::consume_tile<Epilogue::kStore, kStages, kStaging, PushCombineSink, kN>(
+              smem.gemm, ps, c, k_down, wg - 1, push);
+        }
+      } else if (t.kind == TaskKind::kGateUp) {
         ring.counter = counter;
         ring.task = i;
         gemm::consume_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, wg - 1, ring);
@@ -563,13 +787,13 @@ __device__ __forceinline__ void compute_role(const Maps& m, const ForwardMegaker
   }
 }
 
+template <Pass P>
 __global__ void __launch_bounds__(gemm::kThreads, 1)
-    forward_megakernel(const __grid_constant__ Maps maps,
-                       const __grid_constant__ ForwardMegakernelArgs a) {
+    moe_megakernel(const __grid_constant__ Maps maps, const __grid_constant__ MegakernelArgs a) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<MegaSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) /
                                             1024 * 1024);
-  const TaskShape s = task_shape(a);
+  const TaskShape s = task_shape<P>(a);
   // The first pull_warps warps dispatch (the head, then a communication CTA's tiles); the CTA's
   // other warps wait for them: dispatch uses the stage memory. NOTES: a communication CTA whose
   // comm list is done joins the compute partition (its SM would idle for the rest of the call:
@@ -583,8 +807,8 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     if (threadIdx.x % 32 == 0)
       for (uint32_t b = 0; b < pipe.slots; ++b) ptx::mbarrier_init(&pipe.full[b], 1);
     ptx::mbarrier_init_fence();
-    traced = dispatch_head(a, s, pipe, smem.head_claimed);
-    if (blockIdx.x < a.comm_ctas) traced = comm_role(a, s, traced, pipe);
+    traced = dispatch_head<P>(a, s, pipe, smem.head_claimed);
+    if (blockIdx.x < a.comm_ctas) traced = comm_role<P>(a, s, traced, pipe);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -599,13 +823,13 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     ptx::mbarrier_init(&smem.next_full, 1);
     ptx::mbarrier_init(&smem.next_empty, 1);
     ptx::mbarrier_init_fence();
-    for (const CUtensorMap* map :
-         {&maps.x, &maps.x_rows, &maps.gate, &maps.up, &maps.h_out, &maps.h, &maps.h_rows,
-          &maps.down})
+    for (const CUtensorMap* map : {&maps.rows1, &maps.rows1_few, &maps.w1a, &maps.w1b,
+                                   &maps.rows2, &maps.rows2_few, &maps.w2a, &maps.w2b})
       ptx::prefetch_tensor_map(map);
+    if constexpr (P == Pass::kForward) ptx::prefetch_tensor_map(&maps.h_out);
   }
   __syncthreads();
-  compute_role(maps, a, s, smem, traced);
+  compute_role<P>(maps, a, s, smem, traced);
 }
 
 constexpr size_t kSmemBytes = sizeof(MegaSmem) + 1024;  // + alignment slack
@@ -613,18 +837,41 @@ static_assert(kSmemBytes <= 227 * 1024, "beyond the opt-in shared memory of an S
 
 }  // namespace
 
+namespace {
+
+// The backward pass's words for the shared task kinds and counters.
+const char* task_name(bool backward, mega::TaskKind k) {
+  if (!backward) return mega::task_name(k);
+  switch (k) {
+    case TaskKind::kDispatch: return "dy pull";
+    case TaskKind::kGateUp: return "dhp GEMM + SwiGLU backward";
+    default: return "dx GEMM + push";
+  }
+}
+const char* counter_name(bool backward, mega::Counter c) {
+  if (!backward) return mega::counter_name(c);
+  switch (c) {
+    case mega::Counter::kXReady: return "x_ready (pulled dy rows)";
+    case mega::Counter::kHDone: return "h_done (dhp warpgroups finished [dg | du])";
+    default: return "y_done (dx warpgroups finished)";
+  }
+}
+
+}  // namespace
+
 std::string describe(const MegakernelDiagnostic& d) {
   if (!d.set) return "";
   const auto kind = static_cast<mega::TaskKind>(d.task_kind);
+  const bool bw = d.backward != 0;
   char msg[512];
   std::snprintf(msg, sizeof msg,
-                "rank %d forward megakernel, CTA %d (%s partition) timed out after %.3f s: %s of "
+                "rank %d %s megakernel, CTA %d (%s partition) timed out after %.3f s: %s of "
                 "row tile %d (n tile %d) waited for %s of ring slot %d to reach %u, it was %u "
                 "(%d row tiles, ring of %d)",
-                d.rank, d.cta, d.compute ? "compute" : "communication", d.seconds,
-                mega::task_name(kind), d.m_tile, d.n_tile,
-                mega::counter_name(static_cast<mega::Counter>(d.counter)), d.slot, d.want, d.have,
-                d.m_tiles, d.ring_tiles);
+                d.rank, bw ? "backward" : "forward", d.cta,
+                d.compute ? "compute" : "communication", d.seconds, task_name(bw, kind),
+                d.m_tile, d.n_tile, counter_name(bw, static_cast<mega::Counter>(d.counter)),
+                d.slot, d.want, d.have, d.m_tiles, d.ring_tiles);
   std::string out = msg;
   // Which CTAs were inside a compute task when the wait gave up (the work it waited for; a
   // communication CTA joins the compute tasks once its dispatch is done).
@@ -640,7 +887,8 @@ std::string describe(const MegakernelDiagnostic& d) {
     const int64_t i = static_cast<int64_t>(word) - 1;
     if (i >= tasks) return std::to_string(i) + " (out of range)";
     const mega::Task t = mega::compute_task(shape, i);
-    return std::to_string(i) + " (" + (t.kind == mega::TaskKind::kGateUp ? "gate/up" : "down") +
+    const char* kinds[2][2] = {{"down", "gate/up"}, {"dx", "dhp"}};
+    return std::to_string(i) + " (" + kinds[bw][t.kind == mega::TaskKind::kGateUp] +
            " m " + std::to_string(t.m_tile) + " n " + std::to_string(t.n_tile) + ")";
   };
   int listed = 0, inside = 0;
@@ -663,7 +911,7 @@ std::string describe(const MegakernelDiagnostic& d) {
   return out;
 }
 
-size_t forward_megakernel_counter_bytes(int32_t ring_tiles, int32_t sm_count) {
+size_t megakernel_counter_bytes(int32_t ring_tiles, int32_t sm_count) {
   // The slots' counters, the compute partition's task claim counter, the timeout election, the
   // head dispatch claim counter (rounded up to 8 bytes), then the CTAs' progress words.
   const size_t words32 =
@@ -671,26 +919,40 @@ size_t forward_megakernel_counter_bytes(int32_t ring_tiles, int32_t sm_count) {
   return sizeof(uint32_t) * words32 + sizeof(uint64_t) * kProgressWords * sm_count;
 }
 
-cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& a, int32_t sm_count,
-                                      cudaStream_t stream) {
+namespace {
+
+template <Pass P>
+cudaError_t launch(const MegakernelArgs& a, int32_t sm_count, cudaStream_t stream) {
+  constexpr bool kBackward = P == Pass::kBackward;
   if (a.hidden % 64 != 0 || a.intermediate % 64 != 0 || a.ring_tiles <= 0 ||
       a.minibatch_tiles <= 0 || a.ring_tiles % a.minibatch_tiles != 0 || a.comm_ctas < 1 ||
       a.comm_ctas >= sm_count)
     return cudaErrorInvalidValue;
+  if (kBackward && (!a.gate_up_in || !a.wh_out || !a.dw_partial || !a.x_out || a.gate_up_out))
+    return cudaErrorInvalidValue;
   Maps m;
   const int64_t ring_rows = int64_t{a.ring_tiles} * kBlockM;
-  constexpr uint32_t kHalf = gemm::kBlockNMma / 2;
-  const bool ok =
-      gemm::encode_row_operand_maps(a.ring_x, a.hidden, ring_rows, &m.x, &m.x_rows) &&
-      gemm::encode_weight_map(a.w_gate, a.experts, a.intermediate, a.hidden, kHalf, &m.gate) &&
-      gemm::encode_weight_map(a.w_up, a.experts, a.intermediate, a.hidden, kHalf, &m.up) &&
-      gemm::encode_output_map(a.ring_h, a.intermediate, ring_rows, &m.h_out) &&
-      gemm::encode_row_operand_maps(a.ring_h, a.intermediate, ring_rows, &m.h, &m.h_rows) &&
-      gemm::encode_weight_map(a.w_down, a.experts, a.hidden, a.intermediate, gemm::kBlockNMma,
-                              &m.down);
+  const int64_t E = a.experts, H = a.hidden, I = a.intermediate;
+  bool ok = gemm::encode_row_operand_maps(a.ring_x, H, ring_rows, &m.rows1, &m.rows1_few) &&
+            gemm::encode_row_operand_maps(a.ring_h, (kBackward ? 2 : 1) * I, ring_rows, &m.rows2,
+                                          &m.rows2_few);
+  if constexpr (kBackward) {
+    m.h_out = {};
+    ok = ok && gemm::encode_weight_map_n_major(a.w_down, E, H, I, &m.w1a) &&
+         gemm::encode_weight_map_n_major(a.w_gate, E, I, H, &m.w2a) &&
+         gemm::encode_weight_map_n_major(a.w_up, E, I, H, &m.w2b);
+    m.w1b = m.w1a;
+  } else {
+    constexpr uint32_t kHalf = gemm::kBlockNMma / 2;
+    ok = ok && gemm::encode_weight_map(a.w_gate, E, I, H, kHalf, &m.w1a) &&
+         gemm::encode_weight_map(a.w_up, E, I, H, kHalf, &m.w1b) &&
+         gemm::encode_output_map(a.ring_h, I, ring_rows, &m.h_out) &&
+         gemm::encode_weight_map(a.w_down, E, H, I, gemm::kBlockNMma, &m.w2a);
+    m.w2b = m.w2a;
+  }
   if (!ok) return cudaErrorInvalidValue;
-  if (cudaError_t e = cudaFuncSetAttribute(forward_megakernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+  auto* kernel = moe_megakernel<P>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(kSmemBytes));
       e != cudaSuccess)
     return e;
@@ -706,7 +968,19 @@ cudaError_t launch_forward_megakernel(const ForwardMegakernelArgs& a, int32_t sm
   attr[0].val.cooperative = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, forward_megakernel, m, a);
+  return cudaLaunchKernelEx(&config, kernel, m, a);
+}
+
+}  // namespace
+
+cudaError_t launch_forward_megakernel(const MegakernelArgs& a, int32_t sm_count,
+                                      cudaStream_t stream) {
+  return launch<Pass::kForward>(a, sm_count, stream);
+}
+
+cudaError_t launch_backward_megakernel(const MegakernelArgs& a, int32_t sm_count,
+                                       cudaStream_t stream) {
+  return launch<Pass::kBackward>(a, sm_count, stream);
 }
 
 }  // namespace epflow::kernels
