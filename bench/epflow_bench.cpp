@@ -312,6 +312,7 @@ struct RankResult {
   double unfused_stage_us[kMaxBackwardStages] = {};
   std::vector<double> backward_side_us;  // --backward-side-sms: the unfused one, each count
   std::vector<double> backward_comm_us;  // --backward-comm-sms: the megakernel, each count
+  MemoryReport memory;  // --backward: the layer's memory (created with_backward)
 };
 
 double median(std::vector<double> v) {
@@ -493,6 +494,7 @@ using ForwardEvents = IterationEvents<kStages>;
 Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t T,
                      const Options& o, cudaStream_t stream, RankResult* out) {
   EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, o.grad_dtype));
+  out->memory = layer.memory();
   SavedContext saved;
   const int n = o.warmup + o.iters;
   IterationEvents<1> fwd;
@@ -1074,6 +1076,7 @@ int run_gpu(const Options& o, int devices) {
         to->forward_saving_us = from.forward_saving_us;
         to->backward_side_us = from.backward_side_us;
         to->backward_comm_us = from.backward_comm_us;
+        to->memory = from.memory;
         to->backward_stage_names = from.backward_stage_names;
         to->unfused_backward_us = from.unfused_backward_us;
         to->unfused_stage_names = from.unfused_stage_names;
@@ -1261,6 +1264,9 @@ int run_gpu(const Options& o, int devices) {
           auto tflops = [&](double us) { return 2 * forward_flops(c, b.routed_slots) / us * 1e-6; };
           std::printf("    its stages (us, slowest rank):%s\n",
                       stages_text(b.backward_stage_names, b.backward_stage_us).c_str());
+          std::printf("    memory (GB): backward rows %.2f, kept g|u %.2f, layer total %.2f\n",
+                      b.memory.backward_bytes * 1e-9, b.memory.saved_bytes * 1e-9,
+                      b.memory.total() * 1e-9);
           std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
                       forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
           auto bwd_json = [&](const char* system, double us) {
@@ -1272,6 +1278,8 @@ int run_gpu(const Options& o, int devices) {
           };
           bwd_json("epflow", b.backward_us);
           json << ", \"forward_saving_us\": " << json_num(f.forward_saving_us)
+               << ", \"backward_bytes\": " << b.memory.backward_bytes
+               << ", \"saved_bytes\": " << b.memory.saved_bytes
                << ", \"stage_us\": {" << stages_json(b.backward_stage_names, b.backward_stage_us)
                << "}}";
           if (o.backward_unfused) {

@@ -91,11 +91,13 @@ struct alignas(1024) GemmSmem {
 template <Epilogue kEpi, int kStages>
 using SharedStorage = GemmSmem<kStages, kStagingBytes<kEpi>>;
 
-// Position in the ring of stages, with the phase parity of its barriers.
+// Position in the ring of stages, with the phase parity of its barriers (and, for a
+// megakernel's producer, bit i: the parity of stage i's next StageTags::read wait).
 template <int kStages>
 struct PipelineState {
   int stage = 0;
   uint32_t phase = 0;
+  uint32_t tag_parity = 0;
   __device__ void advance() {
     if (++stage == kStages) {
       stage = 0;
@@ -172,16 +174,34 @@ struct StageTag {
   TileCoord tile;
 };
 
+// The tags of a megakernel's stages, and per stage an mbarrier every consumer thread arrives on
+// once it has read the stage's tag (kTagReaders arrivals), which the producer waits for before it
+// writes that stage's next tag. NOTES: the consumers' release of a stage already implies they
+// read its tag (the wgmma they issue after reading it must finish first), but compute-sanitizer
+// racecheck cannot see that ordering and reported the overwrite as a race; this edge it sees.
+struct StageTags {
+  StageTag* tag = nullptr;
+  uint64_t* read = nullptr;
+};
+inline constexpr uint32_t kTagReaders = 256;  // the two consumer warpgroups
+
+// Producer: wait until the consumers have read the last tag of the current stage.
+template <int kStages>
+__device__ __forceinline__ void wait_tag_read(const StageTags& tags, PipelineState<kStages>& ps) {
+  ptx::mbarrier_wait(&tags.read[ps.stage], ((ps.tag_parity >> ps.stage) & 1) ^ 1);
+  ps.tag_parity ^= 1u << ps.stage;
+}
+
 template <Epilogue kEpi, int kStages, int kStaging, WeightMajor kMajor = WeightMajor::kK>
 __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, const CUtensorMap* map_a,
                                              const CUtensorMap* map_a_rows,
                                              const CUtensorMap* map_b0, const CUtensorMap* map_b1,
-                                             StageTag* stage_tag = nullptr, int64_t task_id = 0,
+                                             const StageTags& tags = {}, int64_t task_id = 0,
                                              int32_t b0_k_blocks = 0) {
-  // stage_tag (a megakernel's dynamic schedule): written next to the tile's first stage, for the
-  // consumers to read once that stage is full.
+  // tags (a megakernel's dynamic schedule): the tile's tag, written next to its first stage for
+  // the consumers to read once that stage is full.
   // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
   // sizes) loads only whole 16-row boxes covering them: the rest of the A stage keeps stale
   // data, which only feeds output rows that are padding (never read: combine skips them).
@@ -191,7 +211,10 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
   const uint32_t bytes = a_bytes + kBlockNMma * kBlockK * 2;
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
-    if (stage_tag && kb == 0) stage_tag[ps.stage] = StageTag{task_id, c};
+    if (tags.tag && kb == 0) {
+      wait_tag_read(tags, ps);
+      tags.tag[ps.stage] = StageTag{task_id, c};
+    }
     uint64_t* full = &s.full[ps.stage];
     ptx::mbarrier_arrive_expect_tx(full, bytes);
     if (full_rows) {
@@ -416,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
         produce_tile<kEpi, kStages, kStagingBytes<kEpi>, kMajor>(
             s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts),
-            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, nullptr, 0, p.b0_k_blocks);
+            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{}, 0, p.b0_k_blocks);
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();

@@ -49,6 +49,7 @@ struct alignas(1024) MegaSmem {
   // The dynamic schedule: the compute task and tile whose first stage is stage i (task -1: no
   // more tasks), and the gate/up task and tile whose output staging w holds (task -1: stop).
   gemm::StageTag stage_tag[kStages];
+  uint64_t tag_read[kStages];  // gemm::StageTags::read
   gemm::StageTag staged[2];
   // Scheduler thread -> producer: the next claimed task (-1: none left), its tile, and when it
   // was claimed and its waits passed (trace); "next holds a task" / "next is free".
@@ -184,23 +185,30 @@ struct PushCombineSink {
 // ring does not wrap) and column i of the tile, from the forward's kept g | u and the row's
 // router weight w (read from its owner's window before the mainloop): h = silu(g) u rounded as
 // the forward stored it, w·h (the down weight gradient's rhs), dg = w dhp u silu'(g) and
-// du = w dhp silu(g) (the dx GEMM's rows), 16 bytes per lane (quad_gather_block); and the row's
-// <dhp, h> over the tile's columns into dw_partial (router_weight_grad sums the n tiles in order:
-// d w is deterministic). Padding rows get zeros: the weight-gradient GEMMs sum over whole tiles.
-// The counter says the tile's [dg | du] rows are written, so each warpgroup signals after all
-// its threads stored (and fenced them for the dx GEMM's TMA loads).
+// du = w dhp silu(g) (the dx GEMM's rows); and the row's <dhp, h> over the tile's columns into
+// dw_partial (router_weight_grad sums the n tiles in order: d w is deterministic). Padding rows
+// get zeros: the weight-gradient GEMMs sum over whole tiles. The counter says the tile's
+// [dg | du] rows are written, so each warpgroup signals after all its threads stored (and fenced
+// them for the dx GEMM's TMA loads).
+// NOTES: the quad first swaps its dhp values (quad_gather_block) so that each lane holds 8
+// consecutive columns of its rows, which it then loads (g, u) and stores (w·h, dg, du) 16 bytes
+// at a time; the loads of the next 32 columns are issued before this group's math and stores, so
+// their latency hides behind it (loads after a store to a possibly aliasing pointer cannot be
+// hoisted by the compiler).
 struct DhSink {
   static constexpr bool kDirect = true;
+  static constexpr int kGroups = gemm::kBlockNMma / 32;  // 32 columns (4 n8 blocks) per group
   const MegakernelArgs* a;
   uint32_t* counter = nullptr;
-  gemm::TileCoord c;                       // the current tile (skip() needs it too)
+  gemm::TileCoord c;  // the current tile (skip() needs it too)
   const __nv_bfloat16* gu[2] = {nullptr, nullptr};  // the thread's rows' g here (u: + I); null: padding
   __nv_bfloat16* wh[2];   // the thread's rows of w·h at this n tile
   __nv_bfloat16* dgu[2];  // ... and of [dg | du]
-  int64_t row[2];          // the thread's two ring rows
+  int64_t row[2];         // the thread's two ring rows
   float w[2], dot[2];
   int32_t cols = 0, q = 0, wg = 0, tid = 0;
-  uint32_t wh_pairs[2][4], dg_pairs[2][4], du_pairs[2][4];
+  uint32_t d0[2][4], d1[2][4];  // this group's dhp, as the accumulators hold it (float bits)
+  uint4 g_next[2], u_next[2];   // g and u of the lane's 8 columns of the next group
 
   __device__ __forceinline__ void prepare(const gemm::TileCoord& tile, int warpgroup, int thread) {
     c = tile;
@@ -231,45 +239,70 @@ struct DhSink {
       }
     }
   }
-  __device__ __forceinline__ void begin(int, int) {}
-  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
-  __device__ __forceinline__ void write(int j, int half, float d0, float d1) {
-    const int col = 8 * j + 2 * q;
-    float wh0 = 0.0f, wh1 = 0.0f, dg0 = 0.0f, dg1 = 0.0f, du0 = 0.0f, du1 = 0.0f;
-    if (gu[half] && col < cols) {
-      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gu[half] + col));
-      const float2 u = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(gu[half] + a->intermediate + col));
-      auto one = [&](float gv, float uv, float dhp, float* whv, float* dgv, float* duv) {
-        const float sig = 1.0f / (1.0f + __expf(-gv));
-        const float silu = gv * sig;
-        const float h = __bfloat162float(__float2bfloat16(silu * uv));
-        dot[half] = fmaf(dhp, h, dot[half]);
-        const float dh = w[half] * dhp;
-        *whv = w[half] * h;
-        *duv = dh * silu;
-        *dgv = dh * uv * sig * (1.0f + gv * (1.0f - sig));
-      };
-      one(g.x, u.x, d0, &wh0, &dg0, &du0);
-      one(g.y, u.y, d1, &wh1, &dg1, &du1);
-    }
-    wh_pairs[half][j % 4] = gemm::bf16_pair(wh0, wh1);
-    dg_pairs[half][j % 4] = gemm::bf16_pair(dg0, dg1);
-    du_pairs[half][j % 4] = gemm::bf16_pair(du0, du1);
-    if (j % 4 != 3 || half != 1) return;
-    const int block = 8 * (j - 3 + q);
+  // g and u of the lane's 8 columns of group i (zeros past the tile or for padding rows).
+  __device__ __forceinline__ void load_group(int i) {
+    const int block = 8 * (4 * i + q);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint4 vwh = gemm::quad_gather_block(wh_pairs[h], q);
-      const uint4 vdg = gemm::quad_gather_block(dg_pairs[h], q);
-      const uint4 vdu = gemm::quad_gather_block(du_pairs[h], q);
+      g_next[h] = u_next[h] = make_uint4(0, 0, 0, 0);
+      if (gu[h] && block < cols) {
+        g_next[h] = *reinterpret_cast<const uint4*>(gu[h] + block);
+        u_next[h] = *reinterpret_cast<const uint4*>(gu[h] + a->intermediate + block);
+      }
+    }
+  }
+  __device__ __forceinline__ void begin(int, int) { load_group(0); }
+  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
+  __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
+    d0[half][j % 4] = __float_as_uint(v0);
+    d1[half][j % 4] = __float_as_uint(v1);
+    if (j % 4 != 3 || half != 1) return;
+    const int i = j / 4;
+    uint4 g_cur[2] = {g_next[0], g_next[1]}, u_cur[2] = {u_next[0], u_next[1]};
+    if (i + 1 < kGroups) load_group(i + 1);
+    const int block = 8 * (4 * i + q);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Lane q's block 4i+q: columns 2r and 2r + 1 from lane r (quad_gather_block).
+      const uint4 e0 = gemm::quad_gather_block(d0[h], q), e1 = gemm::quad_gather_block(d1[h], q);
+      const uint32_t even[4] = {e0.x, e0.y, e0.z, e0.w}, odd[4] = {e1.x, e1.y, e1.z, e1.w};
+      const auto* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_cur[h]);
+      const auto* u2 = reinterpret_cast<const __nv_bfloat162*>(&u_cur[h]);
+      uint4 vwh, vdg, vdu;
+      uint32_t* owh = &vwh.x;
+      uint32_t* odg = &vdg.x;
+      uint32_t* odu = &vdu.x;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float2 g = __bfloat1622float2(g2[r]), u = __bfloat1622float2(u2[r]);
+        float whv[2], dgv[2], duv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float gv = e ? g.y : g.x, uv = e ? u.y : u.x;
+          const float dhp = __uint_as_float(e ? odd[r] : even[r]);
+          const float sig = 1.0f / (1.0f + __expf(-gv));
+          const float silu = gv * sig;
+          const float hv = __bfloat162float(__float2bfloat16(silu * uv));
+          dot[h] = fmaf(dhp, hv, dot[h]);
+          const float dh = w[h] * dhp;
+          whv[e] = w[h] * hv;
+          duv[e] = dh * silu;
+          dgv[e] = dh * uv * sig * (1.0f + gv * (1.0f - sig));
+        }
+        owh[r] = gemm::bf16_pair(whv[0], whv[1]);
+        odg[r] = gemm::bf16_pair(dgv[0], dgv[1]);
+        odu[r] = gemm::bf16_pair(duv[0], duv[1]);
+      }
+      // Padding rows get zeros (what the weight gradients need), whatever their accumulators
+      // hold: a tile with few rows loads only their row boxes, the rest of the stage is stale.
+      if (!gu[h]) vwh = vdg = vdu = make_uint4(0, 0, 0, 0);
       if (block < cols) {
         *reinterpret_cast<uint4*>(wh[h] + block) = vwh;
         *reinterpret_cast<uint4*>(dgu[h] + block) = vdg;
         *reinterpret_cast<uint4*>(dgu[h] + a->intermediate + block) = vdu;
       }
     }
-    if (j != gemm::kBlockNMma / 8 - 1) return;
+    if (i != kGroups - 1) return;
     // The quad's four partial sums of each row, in a fixed order.
     const int32_t n_dh = backward_dh_tiles(a->intermediate);
 #pragma unroll
@@ -665,6 +698,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
   const int32_t k_gate_up = a.hidden / gemm::kBlockK;
   const int32_t k_down = (kBackward ? 2 : 1) * a.intermediate / gemm::kBlockK;
   volatile gemm::StageTag* stage_tag = smem.stage_tag;
+  const gemm::StageTags tags{smem.stage_tag, smem.tag_read};
   gemm::PipelineState<kStages> ps;
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
@@ -700,23 +734,24 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
           if (t.kind == TaskKind::kGateUp)
             gemm::produce_tile<Epilogue::kStore, kStages, kStaging, kN>(
                 smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b,
-                smem.stage_tag, i);
+                tags, i);
           else
             gemm::produce_tile<Epilogue::kStore, kStages, kStaging, kN>(
                 smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b,
-                smem.stage_tag, i, a.intermediate / gemm::kBlockK);
+                tags, i, a.intermediate / gemm::kBlockK);
         } else if (t.kind == TaskKind::kGateUp) {
           gemm::produce_tile<Epilogue::kSwiGLU>(smem.gemm, ps, c, k_gate_up, &m.rows1,
-                                                &m.rows1_few, &m.w1a, &m.w1b, smem.stage_tag, i);
+                                                &m.rows1_few, &m.w1a, &m.w1b, tags, i);
         } else {
           gemm::produce_tile<Epilogue::kStore>(smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few,
-                                               &m.w2a, &m.w2b, smem.stage_tag, i);
+                                               &m.w2a, &m.w2b, tags, i);
         }
         record_progress(a, kProducerLoaded, i);
         trace_task(a, traced + static_cast<int32_t>(n), i, t, taken, ready);
       }
       // The next stage tells the consumers there is nothing more (no data: a plain arrival).
       ptx::mbarrier_wait(&smem.gemm.empty[ps.stage], ps.phase ^ 1);
+      gemm::wait_tag_read(tags, ps);
       stage_tag[ps.stage].task = -1;
       ptx::mbarrier_arrive(&smem.gemm.full[ps.stage]);
     } else if (threadIdx.x == 32 || threadIdx.x == 64) {
@@ -749,10 +784,11 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     for (;;) {
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
       const int64_t i = stage_tag[ps.stage].task;
-      if (i < 0) break;
-      const Task t = mega::compute_task(s, i);
       const volatile gemm::TileCoord& tag = stage_tag[ps.stage].tile;
       const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
+      ptx::mbarrier_arrive(&smem.tag_read[ps.stage]);
+      if (i < 0) break;
+      const Task t = mega::compute_task(s, i);
       uint32_t* counter =
           counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
       if (tid == 0) record_progress(a, kConsumerTaken + wg - 1, i);
@@ -820,6 +856,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
       ptx::mbarrier_init(&smem.staging_full[w], 1);
       ptx::mbarrier_init(&smem.staging_empty[w], 1);
     }
+    for (int i = 0; i < kStages; ++i) ptx::mbarrier_init(&smem.tag_read[i], gemm::kTagReaders);
     ptx::mbarrier_init(&smem.next_full, 1);
     ptx::mbarrier_init(&smem.next_empty, 1);
     ptx::mbarrier_init_fence();
