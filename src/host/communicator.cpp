@@ -40,7 +40,13 @@ Status run_on_local_gpus(int world, const std::function<Status(int rank, ncclCom
       results[rank] = create_communicator(id, world, rank, &comm);
       if (!results[rank].ok()) return;
       results[rank] = fn(rank, comm);
-      ncclCommDestroy(comm);
+      // NOTES: after a kernel of this rank trapped (a timed-out wait), its CUDA context is dead:
+      // ncclCommDestroy would still try to use it; ncclCommAbort is NCCL's teardown for a
+      // communicator in error (a process exited with a segfault after a destroy there).
+      if (cudaDeviceSynchronize() != cudaSuccess)
+        ncclCommAbort(comm);
+      else
+        ncclCommDestroy(comm);
     });
   }
   for (auto& t : threads) t.join();

@@ -161,6 +161,9 @@ struct Layer::Impl {
   MemoryReport memory;
 
   ~Impl() {
+    // After a timed-out wait trapped a kernel, the CUDA context is dead: nothing below can be
+    // freed any more (the process must exit), and NCCL's window teardown would use the context.
+    if (diagnostic && barrier_timeout && !device_failure().ok()) return;
     if (diagnostic) cudaFreeHost(diagnostic);
     if (routing_check) cudaFreeHost(routing_check);
     if (routing_tally) cudaFree(routing_tally);
@@ -632,12 +635,12 @@ Status Layer::Impl::enable_unfused_backward() {
 // The backward (docs/ARCHITECTURE.md, "Backward"), on the forward's schedule: the backward
 // megakernel (dy and x rows pulled; dhp = dy W_down with the SwiGLU and router-weight backward
 // in its epilogue; dx rows = [dg | du] [W_gate; W_up] pushed into the owners' combine slots), d
-// topk_weights pushed to the owners, the barrier and each owner's sum of its dx over k, then
-// the weight gradients (dW_down = dyᵀ (w h), dW_gate = dgᵀ x, dW_up = duᵀ x) over the rows the
-// megakernel left. The unfused backward runs the same steps as separate kernels.
+// topk_weights pushed to the owners, the weight gradients (dW_down = dyᵀ (w h), dW_gate = dgᵀ x,
+// dW_up = duᵀ x) over the rows the megakernel left, then the barrier and each owner's sum of its
+// dx over k. The unfused backward runs the same steps as separate kernels.
 const char* const kBackwardStageNames[] = {
     "inputs+barrier", "megakernel (dy, x pull; dhp + SwiGLU bwd; dx push)", "d topk_weights",
-    "barrier+sum", "weight gradients"};
+    "weight gradients", "barrier+sum"};
 const char* const kUnfusedBackwardStageNames[] = {
     "inputs+barrier",
     "pull dy rows",
@@ -855,11 +858,11 @@ Status Layer::Impl::backward(const BackwardArgs& a, const SavedContext& saved,
     EPFLOW_CUDA_RETURN(mark());
     EPFLOW_RETURN_IF_ERROR(push_router_weight_grads(stream));
     EPFLOW_CUDA_RETURN(mark());
-    // The dx rows and d topk_weights are in the owners' windows: peers may sum while this rank
-    // computes its weight gradients from the rows the megakernel left.
-    EPFLOW_RETURN_IF_ERROR(barrier_and_sum_dx());
-    EPFLOW_CUDA_RETURN(mark());
+    // Weight gradients before the barrier (which waits for the slowest rank's pushes): a rank
+    // whose megakernel ended first computes them meanwhile.
     EPFLOW_RETURN_IF_ERROR(weight_gradients(a, 0, stream, nullptr));
+    EPFLOW_CUDA_RETURN(mark());
+    EPFLOW_RETURN_IF_ERROR(barrier_and_sum_dx());
     EPFLOW_CUDA_RETURN(mark());
   }
   const size_t stages = unfused_backward ? std::size(kUnfusedBackwardStageNames)

@@ -185,30 +185,23 @@ struct PushCombineSink {
 // ring does not wrap) and column i of the tile, from the forward's kept g | u and the row's
 // router weight w (read from its owner's window before the mainloop): h = silu(g) u rounded as
 // the forward stored it, w·h (the down weight gradient's rhs), dg = w dhp u silu'(g) and
-// du = w dhp silu(g) (the dx GEMM's rows); and the row's <dhp, h> over the tile's columns into
-// dw_partial (router_weight_grad sums the n tiles in order: d w is deterministic). Padding rows
-// get zeros: the weight-gradient GEMMs sum over whole tiles. The counter says the tile's
-// [dg | du] rows are written, so each warpgroup signals after all its threads stored (and fenced
-// them for the dx GEMM's TMA loads).
-// NOTES: the quad first swaps its dhp values (quad_gather_block) so that each lane holds 8
-// consecutive columns of its rows, which it then loads (g, u) and stores (w·h, dg, du) 16 bytes
-// at a time; the loads of the next 32 columns are issued before this group's math and stores, so
-// their latency hides behind it (loads after a store to a possibly aliasing pointer cannot be
-// hoisted by the compiler).
+// du = w dhp silu(g) (the dx GEMM's rows), 16 bytes per lane (quad_gather_block); and the row's
+// <dhp, h> over the tile's columns into dw_partial (router_weight_grad sums the n tiles in order:
+// d w is deterministic). Padding rows get zeros: the weight-gradient GEMMs sum over whole tiles.
+// The counter says the tile's [dg | du] rows are written, so each warpgroup signals after all
+// its threads stored (and fenced them for the dx GEMM's TMA loads).
 struct DhSink {
   static constexpr bool kDirect = true;
-  static constexpr int kGroups = gemm::kBlockNMma / 32;  // 32 columns (4 n8 blocks) per group
   const MegakernelArgs* a;
   uint32_t* counter = nullptr;
-  gemm::TileCoord c;  // the current tile (skip() needs it too)
+  gemm::TileCoord c;                       // the current tile (skip() needs it too)
   const __nv_bfloat16* gu[2] = {nullptr, nullptr};  // the thread's rows' g here (u: + I); null: padding
   __nv_bfloat16* wh[2];   // the thread's rows of w·h at this n tile
   __nv_bfloat16* dgu[2];  // ... and of [dg | du]
-  int64_t row[2];         // the thread's two ring rows
+  int64_t row[2];          // the thread's two ring rows
   float w[2], dot[2];
   int32_t cols = 0, q = 0, wg = 0, tid = 0;
-  uint32_t d0[2][4], d1[2][4];  // this group's dhp, as the accumulators hold it (float bits)
-  uint4 g_next[2], u_next[2];   // g and u of the lane's 8 columns of the next group
+  uint32_t wh_pairs[2][4], dg_pairs[2][4], du_pairs[2][4];
 
   __device__ __forceinline__ void prepare(const gemm::TileCoord& tile, int warpgroup, int thread) {
     c = tile;
@@ -239,70 +232,45 @@ struct DhSink {
       }
     }
   }
-  // g and u of the lane's 8 columns of group i (zeros past the tile or for padding rows).
-  __device__ __forceinline__ void load_group(int i) {
-    const int block = 8 * (4 * i + q);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      g_next[h] = u_next[h] = make_uint4(0, 0, 0, 0);
-      if (gu[h] && block < cols) {
-        g_next[h] = *reinterpret_cast<const uint4*>(gu[h] + block);
-        u_next[h] = *reinterpret_cast<const uint4*>(gu[h] + a->intermediate + block);
-      }
-    }
-  }
-  __device__ __forceinline__ void begin(int, int) { load_group(0); }
+  __device__ __forceinline__ void begin(int, int) {}
   // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
-  __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
-    d0[half][j % 4] = __float_as_uint(v0);
-    d1[half][j % 4] = __float_as_uint(v1);
+  __device__ __forceinline__ void write(int j, int half, float d0, float d1) {
+    const int col = 8 * j + 2 * q;
+    float wh0 = 0.0f, wh1 = 0.0f, dg0 = 0.0f, dg1 = 0.0f, du0 = 0.0f, du1 = 0.0f;
+    if (gu[half] && col < cols) {
+      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gu[half] + col));
+      const float2 u = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(gu[half] + a->intermediate + col));
+      auto one = [&](float gv, float uv, float dhp, float* whv, float* dgv, float* duv) {
+        const float sig = 1.0f / (1.0f + __expf(-gv));
+        const float silu = gv * sig;
+        const float h = __bfloat162float(__float2bfloat16(silu * uv));
+        dot[half] = fmaf(dhp, h, dot[half]);
+        const float dh = w[half] * dhp;
+        *whv = w[half] * h;
+        *duv = dh * silu;
+        *dgv = dh * uv * sig * (1.0f + gv * (1.0f - sig));
+      };
+      one(g.x, u.x, d0, &wh0, &dg0, &du0);
+      one(g.y, u.y, d1, &wh1, &dg1, &du1);
+    }
+    wh_pairs[half][j % 4] = gemm::bf16_pair(wh0, wh1);
+    dg_pairs[half][j % 4] = gemm::bf16_pair(dg0, dg1);
+    du_pairs[half][j % 4] = gemm::bf16_pair(du0, du1);
     if (j % 4 != 3 || half != 1) return;
-    const int i = j / 4;
-    uint4 g_cur[2] = {g_next[0], g_next[1]}, u_cur[2] = {u_next[0], u_next[1]};
-    if (i + 1 < kGroups) load_group(i + 1);
-    const int block = 8 * (4 * i + q);
+    const int block = 8 * (j - 3 + q);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // Lane q's block 4i+q: columns 2r and 2r + 1 from lane r (quad_gather_block).
-      const uint4 e0 = gemm::quad_gather_block(d0[h], q), e1 = gemm::quad_gather_block(d1[h], q);
-      const uint32_t even[4] = {e0.x, e0.y, e0.z, e0.w}, odd[4] = {e1.x, e1.y, e1.z, e1.w};
-      const auto* g2 = reinterpret_cast<const __nv_bfloat162*>(&g_cur[h]);
-      const auto* u2 = reinterpret_cast<const __nv_bfloat162*>(&u_cur[h]);
-      uint4 vwh, vdg, vdu;
-      uint32_t* owh = &vwh.x;
-      uint32_t* odg = &vdg.x;
-      uint32_t* odu = &vdu.x;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float2 g = __bfloat1622float2(g2[r]), u = __bfloat1622float2(u2[r]);
-        float whv[2], dgv[2], duv[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float gv = e ? g.y : g.x, uv = e ? u.y : u.x;
-          const float dhp = __uint_as_float(e ? odd[r] : even[r]);
-          const float sig = 1.0f / (1.0f + __expf(-gv));
-          const float silu = gv * sig;
-          const float hv = __bfloat162float(__float2bfloat16(silu * uv));
-          dot[h] = fmaf(dhp, hv, dot[h]);
-          const float dh = w[h] * dhp;
-          whv[e] = w[h] * hv;
-          duv[e] = dh * silu;
-          dgv[e] = dh * uv * sig * (1.0f + gv * (1.0f - sig));
-        }
-        owh[r] = gemm::bf16_pair(whv[0], whv[1]);
-        odg[r] = gemm::bf16_pair(dgv[0], dgv[1]);
-        odu[r] = gemm::bf16_pair(duv[0], duv[1]);
-      }
-      // Padding rows get zeros (what the weight gradients need), whatever their accumulators
-      // hold: a tile with few rows loads only their row boxes, the rest of the stage is stale.
-      if (!gu[h]) vwh = vdg = vdu = make_uint4(0, 0, 0, 0);
+      const uint4 vwh = gemm::quad_gather_block(wh_pairs[h], q);
+      const uint4 vdg = gemm::quad_gather_block(dg_pairs[h], q);
+      const uint4 vdu = gemm::quad_gather_block(du_pairs[h], q);
       if (block < cols) {
         *reinterpret_cast<uint4*>(wh[h] + block) = vwh;
         *reinterpret_cast<uint4*>(dgu[h] + block) = vdg;
         *reinterpret_cast<uint4*>(dgu[h] + a->intermediate + block) = vdu;
       }
     }
-    if (i != kGroups - 1) return;
+    if (j != gemm::kBlockNMma / 8 - 1) return;
     // The quad's four partial sums of each row, in a fixed order.
     const int32_t n_dh = backward_dh_tiles(a->intermediate);
 #pragma unroll
