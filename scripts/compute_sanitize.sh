@@ -4,7 +4,7 @@
 # forced-timeout tests trap on purpose). Needs a built tree (scripts/build.sh) and one GPU.
 #   scripts/compute_sanitize.sh [memcheck|racecheck|synccheck ...]   (default: all three)
 # LOG_DIR (default build/compute-sanitizer) gets one log per tool and binary; TOOL_TIMEOUT
-# (seconds, default 240) bounds each binary's run. Exits non-zero if a tool reported an error
+# (seconds, default 240) bounds each binary's run; ONLY (a regex) keeps the binaries it matches. Exits non-zero if a tool reported an error
 # or a run did not finish. API errors are not reported: NCCL probes its kernels and cuMem
 # permissions at init and handles the errors itself (they were all of memcheck's "errors" on
 # the layer tests before); EPFlow turns its own into a Status, which fails the test.
@@ -31,6 +31,7 @@ for tool in "${tools[@]}"; do
   for run in "${runs[@]}"; do
     bin=${run%%:*}
     filter=${run#*:}
+    [[ -n "${ONLY:-}" && ! "$bin" =~ $ONLY ]] && continue
     log="$log_dir/$tool-$bin.log"
     start=$(date +%s)
     timeout "${TOOL_TIMEOUT:-240}" "$sanitizer" --tool "$tool" --error-exitcode 99 \
