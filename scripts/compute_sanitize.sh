@@ -4,10 +4,11 @@
 # forced-timeout tests trap on purpose). Needs a built tree (scripts/build.sh) and one GPU.
 #   scripts/compute_sanitize.sh [memcheck|racecheck|synccheck ...]   (default: all three)
 # LOG_DIR (default build/compute-sanitizer) gets one log per tool and binary; TOOL_TIMEOUT
-# (seconds, default 240) bounds each binary's run; ONLY (a regex) keeps the binaries it matches. Exits non-zero if a tool reported an error
-# or a run did not finish. API errors are not reported: NCCL probes its kernels and cuMem
-# permissions at init and handles the errors itself (they were all of memcheck's "errors" on
-# the layer tests before); EPFlow turns its own into a Status, which fails the test.
+# (seconds, default 240) bounds each binary's run; ONLY (a regex) keeps the binaries it matches.
+# Exits non-zero if a tool reported an error or a run did not finish. API errors are not
+# reported: NCCL probes its kernels and cuMem permissions at init and handles the errors itself
+# (they were all of memcheck's "errors" on the layer tests before); EPFlow turns its own into a
+# Status, which fails the test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
