@@ -524,30 +524,28 @@ Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t
   };
   EPFLOW_RETURN_IF_ERROR(run(&out->backward_us, out->backward_stage_us,
                              &out->backward_stage_names));
-  double total = 0, stages[kMaxBackwardStages];
-  const int32_t default_comm_sms = LayerInternals::backward_comm_sms(layer);
-  out->backward_comm_us.clear();
-  for (int64_t comm : o.backward_comm_sms) {
-    EPFLOW_RETURN_IF_ERROR(
-        LayerInternals::set_backward_comm_sms(layer, static_cast<int32_t>(comm)));
-    EPFLOW_RETURN_IF_ERROR(run(&total, stages, nullptr));
-    out->backward_comm_us.push_back(total);
-  }
-  EPFLOW_RETURN_IF_ERROR(LayerInternals::set_backward_comm_sms(layer, default_comm_sms));
+  // The backward again with each SM count of an A/B knob (then back to its default).
+  auto ab = [&](const std::vector<int64_t>& counts, Status (*set)(Layer&, int32_t),
+                int32_t (*get)(const Layer&), std::vector<double>* times) -> Status {
+    double total = 0, stages[kMaxBackwardStages];
+    const int32_t default_count = get(layer);
+    times->clear();
+    for (int64_t count : counts) {
+      EPFLOW_RETURN_IF_ERROR(set(layer, static_cast<int32_t>(count)));
+      EPFLOW_RETURN_IF_ERROR(run(&total, stages, nullptr));
+      times->push_back(total);
+    }
+    return set(layer, default_count);
+  };
+  EPFLOW_RETURN_IF_ERROR(ab(o.backward_comm_sms, &LayerInternals::set_backward_comm_sms,
+                            &LayerInternals::backward_comm_sms, &out->backward_comm_us));
   if (!o.backward_unfused && o.backward_side_sms.empty()) return Status::ok_status();
   EPFLOW_RETURN_IF_ERROR(LayerInternals::use_unfused_backward(layer, true));
   if (o.backward_unfused)
     EPFLOW_RETURN_IF_ERROR(run(&out->unfused_backward_us, out->unfused_stage_us,
                                &out->unfused_stage_names));
-  const int32_t default_side_sms = LayerInternals::backward_side_sms(layer);
-  out->backward_side_us.clear();
-  for (int64_t side : o.backward_side_sms) {
-    EPFLOW_RETURN_IF_ERROR(
-        LayerInternals::set_backward_side_sms(layer, static_cast<int32_t>(side)));
-    EPFLOW_RETURN_IF_ERROR(run(&total, stages, nullptr));
-    out->backward_side_us.push_back(total);
-  }
-  EPFLOW_RETURN_IF_ERROR(LayerInternals::set_backward_side_sms(layer, default_side_sms));
+  EPFLOW_RETURN_IF_ERROR(ab(o.backward_side_sms, &LayerInternals::set_backward_side_sms,
+                            &LayerInternals::backward_side_sms, &out->backward_side_us));
   return LayerInternals::use_unfused_backward(layer, false);
 }
 

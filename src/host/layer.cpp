@@ -207,6 +207,7 @@ struct Layer::Impl {
   Status pull_rows(size_t offset, __nv_bfloat16* out, cudaStream_t stream, RowMovers movers,
                    bool zero_padding_rows = false);
   Status push_rows(const __nv_bfloat16* rows, cudaStream_t stream, RowMovers movers);
+  kernels::MegakernelArgs megakernel_args(const ExpertWeights& weights) const;
   Status run_megakernel(const ForwardArgs& args, bool keep_gate_up, cudaStream_t stream);
   Status run_unfused(const ForwardArgs& args, cudaStream_t stream, const StageEvents* events);
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
@@ -365,12 +366,12 @@ Status Layer::Impl::enable_unfused() {
   return Status::ok_status();
 }
 
-Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cudaStream_t stream) {
+// What both passes of the megakernel share: the schedule, the shapes, the weights, the waits'
+// budget and diagnostic; the pass sets its rows, ring and partition.
+kernels::MegakernelArgs Layer::Impl::megakernel_args(const ExpertWeights& w) const {
   const LayerConfig& c = config;
-  EPFLOW_CUDA_RETURN(cudaMemsetAsync(ring_counters, 0, ring_counter_bytes, stream));
   kernels::MegakernelArgs m;
   m.peers = peers;
-  m.x_offset = layout.x;
   m.combine_offset = layout.combine;
   m.table = schedule_buffers.table;
   m.seg_offset = schedule_buffers.seg_offset;
@@ -379,18 +380,25 @@ Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cuda
   m.hidden = static_cast<int32_t>(c.hidden);
   m.intermediate = static_cast<int32_t>(c.intermediate);
   m.top_k = c.top_k;
-  m.ring_tiles = static_cast<int32_t>(plan.ring_rows / kernels::kExpertFfnTileM);
   m.minibatch_tiles = static_cast<int32_t>(plan.minibatch_rows / kernels::kExpertFfnTileM);
-  m.ring_x = ring_x;
-  m.ring_h = ring_h;
-  m.counters = ring_counters;
-  m.w_gate = a.weights.gate;
-  m.w_up = a.weights.up;
-  m.w_down = a.weights.down;
-  m.comm_ctas = plan.comm_sms;
+  m.w_gate = w.gate;
+  m.w_up = w.up;
+  m.w_down = w.down;
   m.rank = c.ep_rank;
   m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
   m.diagnostic = diagnostic_device;
+  return m;
+}
+
+Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cudaStream_t stream) {
+  EPFLOW_CUDA_RETURN(cudaMemsetAsync(ring_counters, 0, ring_counter_bytes, stream));
+  kernels::MegakernelArgs m = megakernel_args(a.weights);
+  m.x_offset = layout.x;
+  m.ring_tiles = static_cast<int32_t>(plan.ring_rows / kernels::kExpertFfnTileM);
+  m.ring_x = ring_x;
+  m.ring_h = ring_h;
+  m.counters = ring_counters;
+  m.comm_ctas = plan.comm_sms;
   if (keep_gate_up) m.gate_up_out = saved_gate_up;
   if (trace) {
     EPFLOW_CUDA_RETURN(cudaMemsetAsync(trace, 0xff, trace_bytes(), stream));  // task -1: unused
@@ -657,31 +665,14 @@ std::vector<const char*> LayerInternals::backward_stage_names(const Layer& layer
 }
 
 Status Layer::Impl::run_backward_megakernel(const SavedContext& saved, cudaStream_t stream) {
-  const LayerConfig& c = config;
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(bw_counters, 0, bw_counter_bytes, stream));
-  kernels::MegakernelArgs m;
-  m.peers = peers;
+  kernels::MegakernelArgs m = megakernel_args(saved.weights);
   m.x_offset = layout.dy;
-  m.combine_offset = layout.combine;
-  m.table = schedule_buffers.table;
-  m.seg_offset = schedule_buffers.seg_offset;
-  m.expert_rows = schedule_buffers.expert_rows;
-  m.experts = c.experts_per_rank();
-  m.hidden = static_cast<int32_t>(c.hidden);
-  m.intermediate = static_cast<int32_t>(c.intermediate);
-  m.top_k = c.top_k;
   m.ring_tiles = static_cast<int32_t>(bw_rows / kernels::kExpertFfnTileM);
-  m.minibatch_tiles = static_cast<int32_t>(plan.minibatch_rows / kernels::kExpertFfnTileM);
   m.ring_x = bw_dy;
   m.ring_h = bw_dgu;
   m.counters = bw_counters;
-  m.w_gate = saved.weights.gate;
-  m.w_up = saved.weights.up;
-  m.w_down = saved.weights.down;
   m.comm_ctas = backward_comm_sms;
-  m.rank = c.ep_rank;
-  m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
-  m.diagnostic = diagnostic_device;
   m.gate_up_in = saved_gate_up;
   m.weights_offset = layout.topk_weights;
   m.wh_out = bw_wh;
