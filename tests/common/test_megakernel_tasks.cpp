@@ -226,6 +226,22 @@ TEST(MegakernelTasks, RingWrapNoDeadlockAndOwnData) {
   EXPECT_GT(joined, 0);
 }
 
+// The backward pass runs the same lists over a ring that holds every tile (ring_tiles: the
+// table's capacity rounded up to the minibatch, so it never wraps), with n_gate_up = I / 256 dhp
+// tiles and n_down = H / 256 dx tiles per row tile.
+TEST(MegakernelTasks, BackwardPassShapesNoDeadlockAndOwnData) {
+  const std::vector<TaskShape> shapes = {
+      {32, 48, 16, 8, 28},  // DeepSeek-V3 at 512 tokens/rank, EP 2: two minibatches
+      {37, 48, 16, 8, 28},  // a partial last minibatch
+      {3, 16, 16, 2, 1},    // fewer tiles than one minibatch (the small test shape)
+      {9, 12, 4, 2, 4},     // I ending in a partial dhp tile
+  };
+  uint32_t seed = 101;
+  for (const TaskShape& s : shapes)
+    for (int32_t comm : {1, 12})
+      for (int32_t compute : {1, 20}) simulate(s, comm, compute, seed++);
+}
+
 TEST(MegakernelTasks, EmptyTableHasNoTasks) {
   const TaskShape s{0, 4, 2, 3, 3};
   EXPECT_EQ(num_compute_tasks(s), 0);
