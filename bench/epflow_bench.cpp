@@ -120,7 +120,8 @@ void usage() {
       "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
       "               of these knobs (system epflow-sweep; 0 = the automatic default)\n"
       "  --trace PREFIX  write EPFlow's megakernel tasks of the last timed call, per rank, to\n"
-      "               PREFIX-<preset>-<tokens>-rank<r>.csv (bench/trace_summary.py reads them)\n"
+      "               PREFIX-<preset>-<tokens>-rank<r>.csv (bench/trace_summary.py reads them;\n"
+      "               with --backward, the backward pass's too: ...-rank<r>-bwd.csv)\n"
       "  --yardstick  cuBLAS dense and HBM copy yardsticks on every GPU at once, as the layer\n"
       "               runs (default), or one GPU after the other with the others idle, or\n"
       "               interleaved: the dense GEMMs timed between EPFlow's own timed calls (the\n"
@@ -487,12 +488,36 @@ class IterationEvents {
 };
 using ForwardEvents = IterationEvents<kStages>;
 
+// The megakernel's tasks of its last launch (the forward's, or with `backward` the backward
+// pass's: dispatch = its dy and x pulls, dhp and dx its GEMM tiles), one CSV line each, times
+// relative to the first.
+Status write_trace(const Layer& layer, int rank, const std::string& path, bool backward = false) {
+  std::vector<kernels::MegakernelTraceRecord> recs;
+  EPFLOW_RETURN_IF_ERROR(LayerInternals::fetch_trace(layer, &recs));
+  uint64_t t0 = UINT64_MAX;
+  for (const auto& r : recs) t0 = std::min(t0, r.taken_ns);
+  const int32_t comm_ctas = backward ? LayerInternals::backward_comm_sms(layer)
+                                     : LayerInternals::plan(layer).comm_sms;
+  std::ofstream f(path);
+  f << "rank,cta,partition,kind,task,taken_us,ready_us,done_us\n";
+  static const char* const kKinds[2][3] = {{"dispatch", "gate_up", "down"},
+                                           {"dispatch", "dhp", "dx"}};
+  for (const auto& r : recs)
+    f << rank << ',' << r.cta << ',' << (r.cta < comm_ctas ? "comm" : "compute") << ','
+      << kKinds[backward][r.kind] << ',' << r.task << ',' << (r.taken_ns - t0) * 1e-3 << ','
+      << (r.ready_ns - t0) * 1e-3 << ',' << (r.done_ns - t0) * 1e-3 << '\n';
+  f.close();
+  return f ? Status::ok_status()
+           : error_status(StatusCode::kInternal, "writing the trace ", path, " failed");
+}
+
 // --backward: warmup + iters forward calls that save their context (median in
 // out->forward_saving_us), then warmup + iters backward calls of the last one with an event at
 // each stage boundary; the medians of the timed ones in out->backward_us and
 // out->backward_stage_us.
 Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t T,
-                     const Options& o, cudaStream_t stream, RankResult* out) {
+                     const Options& o, cudaStream_t stream, RankResult* out,
+                     const std::string& trace_path) {
   EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, o.grad_dtype));
   out->memory = layer.memory();
   SavedContext saved;
@@ -524,6 +549,8 @@ Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t
   };
   EPFLOW_RETURN_IF_ERROR(run(&out->backward_us, out->backward_stage_us,
                              &out->backward_stage_names));
+  if (!trace_path.empty())
+    EPFLOW_RETURN_IF_ERROR(write_trace(layer, c.ep_rank, trace_path, true));
   // The backward again with each SM count of an A/B knob (then back to its default).
   auto ab = [&](const std::vector<int64_t>& counts, Status (*set)(Layer&, int32_t),
                 int32_t (*get)(const Layer&), std::vector<double>* times) -> Status {
@@ -572,25 +599,6 @@ struct Variant {
   bool unfused = false;
   int64_t ring_rows = 0;
 };
-
-// The megakernel's tasks of the last call, one CSV line each, times relative to the first.
-Status write_trace(const Layer& layer, int rank, const std::string& path) {
-  std::vector<kernels::MegakernelTraceRecord> recs;
-  EPFLOW_RETURN_IF_ERROR(LayerInternals::fetch_trace(layer, &recs));
-  uint64_t t0 = UINT64_MAX;
-  for (const auto& r : recs) t0 = std::min(t0, r.taken_ns);
-  const int32_t comm_ctas = LayerInternals::plan(layer).comm_sms;
-  std::ofstream f(path);
-  f << "rank,cta,partition,kind,task,taken_us,ready_us,done_us\n";
-  static const char* const kKinds[] = {"dispatch", "gate_up", "down"};
-  for (const auto& r : recs)
-    f << rank << ',' << r.cta << ',' << (r.cta < comm_ctas ? "comm" : "compute") << ','
-      << kKinds[r.kind] << ',' << r.task << ',' << (r.taken_ns - t0) * 1e-3 << ','
-      << (r.ready_ns - t0) * 1e-3 << ',' << (r.done_ns - t0) * 1e-3 << '\n';
-  f.close();
-  return f ? Status::ok_status()
-           : error_status(StatusCode::kInternal, "writing the trace ", path, " failed");
-}
 
 // EPFlow on this rank: timing of the layer and its stages, and the rows of y of `checked`.
 // trace_path: where to write the megakernel's per-task trace of the last call (empty: none).
@@ -654,7 +662,9 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   }
   if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(write_trace(*layer, c.ep_rank, trace_path));
   if (with_backward)
-    EPFLOW_RETURN_IF_ERROR(time_backward(*layer, data, c, T, o, stream.get(), out));
+    EPFLOW_RETURN_IF_ERROR(time_backward(
+        *layer, data, c, T, o, stream.get(), out,
+        trace_path.empty() ? "" : trace_path.substr(0, trace_path.size() - 4) + "-bwd.csv"));
   return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
 }
 

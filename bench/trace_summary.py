@@ -16,7 +16,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-COLORS = {"dispatch": "C0", "gate_up": "C1", "down": "C2"}
+# Forward: gate_up and down GEMM tiles; backward pass (-bwd.csv): dhp and dx.
+COLORS = {"dispatch": "C0", "gate_up": "C1", "down": "C2", "dhp": "C1", "dx": "C2"}
 
 
 def load(paths: list[Path]) -> list[dict]:

@@ -208,6 +208,7 @@ struct Layer::Impl {
                    bool zero_padding_rows = false);
   Status push_rows(const __nv_bfloat16* rows, cudaStream_t stream, RowMovers movers);
   kernels::MegakernelArgs megakernel_args(const ExpertWeights& weights) const;
+  Status attach_trace(kernels::MegakernelArgs* m, cudaStream_t stream);
   Status run_megakernel(const ForwardArgs& args, bool keep_gate_up, cudaStream_t stream);
   Status run_unfused(const ForwardArgs& args, cudaStream_t stream, const StageEvents* events);
   Status forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
@@ -390,6 +391,14 @@ kernels::MegakernelArgs Layer::Impl::megakernel_args(const ExpertWeights& w) con
   return m;
 }
 
+// With tracing on (LayerInternals::enable_trace), the launch records its tasks there.
+Status Layer::Impl::attach_trace(kernels::MegakernelArgs* m, cudaStream_t stream) {
+  if (!trace) return Status::ok_status();
+  EPFLOW_CUDA_RETURN(cudaMemsetAsync(trace, 0xff, trace_bytes(), stream));  // task -1: unused
+  m->trace = trace;
+  return Status::ok_status();
+}
+
 Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cudaStream_t stream) {
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(ring_counters, 0, ring_counter_bytes, stream));
   kernels::MegakernelArgs m = megakernel_args(a.weights);
@@ -400,10 +409,7 @@ Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cuda
   m.counters = ring_counters;
   m.comm_ctas = plan.comm_sms;
   if (keep_gate_up) m.gate_up_out = saved_gate_up;
-  if (trace) {
-    EPFLOW_CUDA_RETURN(cudaMemsetAsync(trace, 0xff, trace_bytes(), stream));  // task -1: unused
-    m.trace = trace;
-  }
+  EPFLOW_RETURN_IF_ERROR(attach_trace(&m, stream));
   EPFLOW_CUDA_RETURN(kernels::launch_forward_megakernel(m, sm_count, stream));
   return Status::ok_status();
 }
@@ -679,6 +685,7 @@ Status Layer::Impl::run_backward_megakernel(const SavedContext& saved, cudaStrea
   m.dw_partial = bw_dw_partial;
   m.x_pull_offset = layout.x;
   m.x_out = bw_x;
+  EPFLOW_RETURN_IF_ERROR(attach_trace(&m, stream));
   EPFLOW_CUDA_RETURN(kernels::launch_backward_megakernel(m, sm_count, stream));
   return Status::ok_status();
 }

@@ -29,8 +29,9 @@ struct LayerInternals {
   // Switches the layer to the unfused chain (allocating its [max_rows] buffers once) or back.
   static Status use_unfused_forward(Layer& layer, bool unfused);
   static runtime::LayerPlan plan(const Layer& layer);
-  // Records every megakernel task of each later forward (when it was taken, ready, done); the
-  // last call's records are fetched (with a device sync) by fetch_trace.
+  // Records every megakernel task of each later call, forward or backward (when it was taken,
+  // ready, done); the last megakernel launch's records are fetched (with a device sync) by
+  // fetch_trace.
   static Status enable_trace(Layer& layer);
   static Status fetch_trace(const Layer& layer,
                             std::vector<kernels::MegakernelTraceRecord>* out);
