@@ -34,9 +34,9 @@ struct ForwardArgs {
 // What forward() keeps for backward() (layers created with LayerConfig::with_backward):
 // references to the caller's inputs (x, topk_idx, topk_weights, weights), which must stay
 // unchanged until backward() has been enqueued; the layer itself keeps every routed row's gate/up
-// pre-activations g | u (MemoryReport::saved_bytes); backward rebuilds the schedule and re-pulls x
-// (docs/ARCHITECTURE.md, "Saved context"). A context is valid until the next forward() on the
-// same Layer.
+// pre-activations g | u (MemoryReport::saved_bytes); backward reuses the forward's schedule and
+// the x rows still in every rank's window (docs/ARCHITECTURE.md, "Saved context"), so a context
+// is valid until the next forward() on the same Layer (a stale one is refused).
 struct SavedContext {
   uint64_t generation = 0;  // 0: never filled
   int64_t num_tokens = 0;
