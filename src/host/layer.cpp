@@ -630,17 +630,19 @@ Status Layer::Impl::allocate_backward() {
   bw_counters = reinterpret_cast<uint32_t*>(static_cast<char*>(backward_buffers) + rows_bytes +
                                             partial_bytes);
   memory.backward_bytes = static_cast<int64_t>(bytes);
-  EPFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-  for (cudaEvent_t* e : {&dy_pulled, &x_pulled, &dx_ready, &dx_pushed})
-    EPFLOW_CUDA_RETURN(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   return Status::ok_status();
 }
 
+// The unfused backward's dx rows, and its side stream and events (the backward megakernel needs
+// none of them).
 Status Layer::Impl::enable_unfused_backward() {
   if (!bw_dx) {
     const size_t bytes = sizeof(__nv_bfloat16) * max_rows * config.hidden;
     EPFLOW_CUDA_RETURN(cudaMalloc(&bw_dx, bytes));
     memory.backward_bytes += static_cast<int64_t>(bytes);
+    EPFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&dy_pulled, &x_pulled, &dx_ready, &dx_pushed})
+      EPFLOW_CUDA_RETURN(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
   unfused_backward = true;
   return Status::ok_status();
