@@ -77,13 +77,14 @@ cudaError_t launch_expert_dgrad(const ExpertDgradArgs& args, cudaStream_t stream
 
 // The backward's weight gradients: for every local expert e, dw[e] = lhs_eᵀ rhs_e summed over
 // the expert's rows seg_offset[e] .. seg_offset[e + 1] (K = its rows, padded to the tile; the
-// padding rows of lhs or rhs must be zero, as the layer leaves them). The layer's: dW_down =
+// padding rows of lhs or rhs must be zero, as the layer leaves them). With expert_rows, K ends
+// at the first multiple of 64 at or past the real rows: only those padding rows must be zero. The layer's: dW_down =
 // dyᵀ (w h) (lhs = dy [rows, H], rhs = w h [rows, I], dw [E, H, I]); dW_gate = dgᵀ x and
 // dW_up = duᵀ x (lhs = [dg | du] with lhs_ld 2I, dw [E, I, H]).
 // Written in bf16 or fp32, or added to what dw holds (an expert without rows gets zeros, or
 // adds nothing); the same order of additions on every run.
 struct ExpertWgradArgs {
-  ExpertSegments segments;              // expert_rows unused (K runs over whole segments)
+  ExpertSegments segments;              // expert_rows optional: K stops near the real rows
   int64_t m = 0, n = 0;                 // dw[e] is [m, n]; both multiples of 64
   const __nv_bfloat16* lhs = nullptr;   // [max_rows, lhs_ld], the first m columns used
   const __nv_bfloat16* rhs = nullptr;   // [max_rows, rhs_ld], the first n columns used

@@ -21,6 +21,7 @@ using Smem = gemm::SharedStorage<Epilogue::kStore, kStages>;
 
 struct WgradParams {
   const int64_t* seg_offset;
+  const int32_t* expert_rows;  // optional: K ends at the first 64-row block past the real rows
   int32_t experts, m_tiles, n_tiles;
   // WgradDirectSink's output.
   void* dw;
@@ -115,8 +116,13 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   __syncthreads();
   const int64_t tiles = int64_t{p.experts} * p.m_tiles * p.n_tiles;
   gemm::PipelineState<kStages> ps;
+  // NOTES: at 512 tokens/rank an expert has ~128 rows, padded to 128 or 256: the padding's
+  // k-blocks would be a third of the loads and MMAs. Past the real rows only the k-block they end
+  // in is read (its padding rows are zero).
   auto k_blocks_of = [&](const gemm::TileCoord& c) {
-    return static_cast<int32_t>((p.seg_offset[c.expert + 1] - p.seg_offset[c.expert]) / kBlockK);
+    const int64_t k = p.expert_rows ? p.expert_rows[c.expert]
+                                    : p.seg_offset[c.expert + 1] - p.seg_offset[c.expert];
+    return static_cast<int32_t>((k + kBlockK - 1) / kBlockK);
   };
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
@@ -187,6 +193,7 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   WgradParams p;
   p.seg_offset = seg.seg_offset;
+  p.expert_rows = seg.expert_rows;
   p.experts = seg.experts;
   p.dw = a.dw;
   p.m = a.m;

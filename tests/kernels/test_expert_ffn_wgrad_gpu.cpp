@@ -32,13 +32,17 @@ struct Case {
   int calls = 1;              // > 1: the later calls accumulate (dw = calls * lhsᵀ rhs)
   int64_t lhs_skip = 0;       // lhs rows are [lhs_skip junk | m used] columns wide
   int32_t max_ctas = 0;       // > 0: so few CTAs that each runs many tiles
+  // Real rows per expert passed (expert_rows): K stops at the 64-row block of the last real row,
+  // and the padding past that block is poisoned (must not be read).
+  bool real_rows = false;
 };
 
 // rows x cols of segment data: routed rows random, padding rows zero (as the layer leaves them),
-// rows past the last segment poisoned (never read).
+// rows past the last segment poisoned (never read); with real_rows, also each segment's padding
+// past the 64-row block its real rows end in.
 std::vector<uint16_t> segment_rows(const std::vector<int64_t>& seg, const std::vector<int64_t>& rows,
-                                   int64_t max_rows, int64_t cols, uint64_t seed,
-                                   uint64_t stream) {
+                                   int64_t max_rows, int64_t cols, uint64_t seed, uint64_t stream,
+                                   bool real_rows) {
   std::vector<uint16_t> v(max_rows * cols, kPoison);
   for (size_t e = 0; e + 1 < seg.size(); ++e) {
     parallel_for(rows[e], [&](int64_t i) {
@@ -47,7 +51,8 @@ std::vector<uint16_t> segment_rows(const std::vector<int64_t>& seg, const std::v
         v[r * cols + k] =
             float_to_bf16(signed_unit(seed, stream, static_cast<uint64_t>(r * cols + k)));
     });
-    std::fill(v.begin() + (seg[e] + rows[e]) * cols, v.begin() + seg[e + 1] * cols, uint16_t{0});
+    const int64_t zero_end = real_rows ? seg[e] + sched::round_up(rows[e], 64) : seg[e + 1];
+    std::fill(v.begin() + (seg[e] + rows[e]) * cols, v.begin() + zero_end * cols, uint16_t{0});
   }
   return v;
 }
@@ -61,19 +66,26 @@ void run_case(const Case& c) {
   for (int32_t e = 0; e < E; ++e) seg[e + 1] = seg[e] + sched::round_up(c.rows[e], kExpertFfnTileM);
   const int64_t max_rows = seg[E] + kExpertFfnTileM;  // one spare tile, poisoned
   const int64_t lhs_ld = c.lhs_skip + M;
-  const std::vector<uint16_t> lhs = segment_rows(seg, c.rows, max_rows, lhs_ld, c.seed, 1);
-  const std::vector<uint16_t> rhs = segment_rows(seg, c.rows, max_rows, N, c.seed, 2);
+  const std::vector<uint16_t> lhs =
+      segment_rows(seg, c.rows, max_rows, lhs_ld, c.seed, 1, c.real_rows);
+  const std::vector<uint16_t> rhs = segment_rows(seg, c.rows, max_rows, N, c.seed, 2, c.real_rows);
+  std::vector<int32_t> real(c.rows.begin(), c.rows.end());
 
   const size_t b = sizeof(uint16_t);
   int64_t* d_seg = nullptr;
+  int32_t* d_real = nullptr;
   void *d_lhs = nullptr, *d_rhs = nullptr, *d_dw = nullptr;
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_seg, sizeof(int64_t) * (E + 1)));
+  EPFLOW_CUDA_CHECK(cudaMalloc(&d_real, sizeof(int32_t) * (E + 1)));
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_lhs, b * lhs.size()));
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_rhs, b * rhs.size()));
   const size_t out_bytes = c.fp32_out ? 4 : 2;
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_dw, out_bytes * E * M * N));
   EPFLOW_CUDA_CHECK(
       cudaMemcpy(d_seg, seg.data(), sizeof(int64_t) * (E + 1), cudaMemcpyHostToDevice));
+  if (E > 0)
+    EPFLOW_CUDA_CHECK(
+        cudaMemcpy(d_real, real.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemcpy(d_lhs, lhs.data(), b * lhs.size(), cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemcpy(d_rhs, rhs.data(), b * rhs.size(), cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemset(d_dw, 0xFF, out_bytes * E * M * N));  // poison: NaN
@@ -82,6 +94,7 @@ void run_case(const Case& c) {
   args.segments.experts = E;
   args.segments.max_rows = max_rows;
   args.segments.seg_offset = d_seg;
+  if (c.real_rows) args.segments.expert_rows = d_real;
   args.m = M;
   args.n = N;
   args.lhs = static_cast<const __nv_bfloat16*>(d_lhs) + c.lhs_skip;
@@ -103,7 +116,7 @@ void run_case(const Case& c) {
     EPFLOW_CUDA_CHECK(cudaMemcpy(bits.data(), d_dw, b * bits.size(), cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < bits.size(); ++i) dw[i] = bf16_to_float(bits[i]);
   }
-  for (void* p : {static_cast<void*>(d_seg), d_lhs, d_rhs, d_dw}) EPFLOW_CUDA_CHECK(cudaFree(p));
+  for (void* p : {static_cast<void*>(d_seg), static_cast<void*>(d_real), d_lhs, d_rhs, d_dw}) EPFLOW_CUDA_CHECK(cudaFree(p));
 
   // Every element written; an expert without rows gets exact zeros.
   int64_t not_finite = 0, empty_nonzero = 0;
@@ -152,6 +165,19 @@ TEST(ExpertWgradGpu, RaggedSegmentsSmallShapes) {
   run_case({"minimum", 64, 64, {0, 1, 127, 0, 128, 129, 0}, 0, 41});
   run_case({"tails", 192, 320, {300, 0, 5, 257, 64}, 0, 42});
   run_case({"nothing routed", 128, 256, {0, 0}, 0, 43});
+}
+
+// The layer passes the real rows per expert: K ends at the 64-row block of the last real row (1,
+// 63, 64, 65, 127, 129, 191 and 300 rows: padding of 0 to 63 rows read, the rest poisoned).
+TEST(ExpertWgradGpu, RealRowsEndTheReduction) {
+  EPFLOW_SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> rows = {1, 0, 63, 64, 65, 127, 129, 191, 300, 0};
+  Case c{"real rows, bf16", 192, 320, rows, 0, 44};
+  c.real_rows = true;
+  run_case(c);
+  c = {"real rows, fp32 accumulated, 2 CTAs", 192, 320, rows, 0, 45, true, 2, 0, 2};
+  c.real_rows = true;
+  run_case(c);
 }
 
 // One to three CTAs for every tile (the backward leaves SMs to its side stream; here the extreme):
