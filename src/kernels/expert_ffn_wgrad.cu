@@ -16,32 +16,40 @@ using gemm::kBlockK;
 using gemm::kBlockM;
 using gemm::kBlockNMma;
 
-// NOTES: the epilogue stores from registers (WgradSink), so no shared memory goes to output
-// staging and four stages fit. At 512 tokens/rank (K ~ 128 rows) a tile's MMAs are short and its
-// 64 KB of output long to write: staged TMA stores (3 stages + 64 KB staging) left each warpgroup
-// waiting for its previous tile's stores to drain before it could stage the next.
-constexpr int kStages = 4;
-using Smem = gemm::GemmSmem<kStages, 16>;  // (no staging: the direct epilogue never uses it)
+constexpr int kStages = 3;  // 3 x 48 KB of tiles + 64 KB of output staging: 208 KB of 227
+using Smem = gemm::SharedStorage<Epilogue::kStore, kStages>;
 
 struct WgradParams {
   const int64_t* seg_offset;
   const int32_t* expert_rows;  // optional: K ends at the first 64-row block past the real rows
   int32_t experts, m_tiles, n_tiles;
+  // WgradDirectSink's output.
   void* dw;
   int64_t m, n;
   bool fp32_out, accumulate;
 };
 
-// Each thread writes (or reads, adds and writes) its accumulators straight from registers; every
-// element has one writer, so accumulation is deterministic. bf16 written: 16 bytes per lane
-// (quad_gather_block: a quad writes 64 contiguous bytes of a row); else pairs.
-struct WgradSink {
+// bf16, overwritten: the staged output goes to dw[e] as TMA stores (a 3-D map: a tile past m or
+// n is clipped at the expert).
+struct WgradStoreSink : gemm::DirectStoreSink<Epilogue::kStore> {
+  __device__ void publish(int wg, int tid, const uint8_t* staging, const gemm::TileCoord& c) {
+    if (tid != 0) return;
+#pragma unroll
+    for (int box = 0; box < kBlockNMma / 64; ++box)
+      ptx::tma_store_3d(map_out, staging + box * 64 * 128, c.n_tile * kBlockNMma + box * 64,
+                        c.m_tile * kBlockM + wg * 64, c.expert);
+    ptx::tma_store_commit();
+  }
+};
+
+// fp32, or added to dw: each thread writes (or reads, adds and writes) its accumulator pairs
+// straight from registers; every element has one writer, so accumulation is deterministic.
+struct WgradDirectSink {
   static constexpr bool kDirect = true;
   const WgradParams* p;
   int64_t row_base[2];  // element index of the thread's two rows at this n tile; -1: past m
   int32_t cols = 0;     // columns of this n tile inside n
   int32_t q = 0;
-  uint32_t pairs[2][4];  // bf16 pairs of blocks j = 4i .. 4i+3, per row half
   __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int wg, int tid) {
     const int warp = tid / 32, g = tid % 32 / 4;
     q = tid % 4;
@@ -54,21 +62,7 @@ struct WgradSink {
     }
   }
   __device__ __forceinline__ void begin(int, int) {}
-  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
   __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
-    if (!p->fp32_out && !p->accumulate) {
-      pairs[half][j % 4] = gemm::bf16_pair(v0, v1);
-      if (j % 4 != 3 || half != 1) return;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint4 block = gemm::quad_gather_block(pairs[h], q);
-        const int col = 8 * (j - 3 + q);  // n is a multiple of 64: a block is inside or past it
-        if (row_base[h] >= 0 && col < cols)
-          *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p->dw) + row_base[h] + col) =
-              block;
-      }
-      return;
-    }
     const int col = 8 * j + 2 * q;  // even, and n is a multiple of 64: col + 1 < cols too
     if (row_base[half] < 0 || col >= cols) return;
     const int64_t at = row_base[half] + col;
@@ -82,8 +76,12 @@ struct WgradSink {
       *dst = make_float2(v0, v1);
     } else {
       auto* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p->dw) + at);
-      const float2 old = __bfloat1622float2(*dst);  // bf16 accumulated
-      *dst = __floats2bfloat162_rn(v0 + old.x, v1 + old.y);
+      if (p->accumulate) {
+        const float2 old = __bfloat1622float2(*dst);
+        v0 += old.x;
+        v1 += old.y;
+      }
+      *dst = __floats2bfloat162_rn(v0, v1);
     }
   }
   __device__ __forceinline__ void skip(int, int) {}
@@ -101,9 +99,11 @@ __device__ __forceinline__ gemm::TileCoord wgrad_tile(const WgradParams& p, int6
   return c;
 }
 
+template <class Sink>
 __global__ void __launch_bounds__(gemm::kThreads, 1)
     expert_wgrad_kernel(const __grid_constant__ CUtensorMap map_lhs,
-                        const __grid_constant__ CUtensorMap map_rhs, const WgradParams p) {
+                        const __grid_constant__ CUtensorMap map_rhs,
+                        const __grid_constant__ CUtensorMap map_dw, const WgradParams p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   const int wg = threadIdx.x / 128;
@@ -111,6 +111,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     gemm::init_stage_barriers(s);
     ptx::prefetch_tensor_map(&map_lhs);
     ptx::prefetch_tensor_map(&map_rhs);
+    if constexpr (!Sink::kDirect) ptx::prefetch_tensor_map(&map_dw);  // else never encoded
   }
   __syncthreads();
   const int64_t tiles = int64_t{p.experts} * p.m_tiles * p.n_tiles;
@@ -147,13 +148,19 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
-    WgradSink sink;
-    sink.p = &p;
+    Sink sink;
+    if constexpr (Sink::kDirect)
+      sink.p = &p;
+    else
+      sink.map_out = &map_dw;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const gemm::TileCoord c = wgrad_tile(p, t);
-      gemm::consume_tile<Epilogue::kStore, kStages, 16, WgradSink, gemm::WeightMajor::kN,
-                         gemm::RowsMajor::kM>(s, ps, c, k_blocks_of(c), wg - 1, sink);
+      gemm::consume_tile<Epilogue::kStore, kStages, gemm::kStagingBytes<Epilogue::kStore>,
+                         Sink, gemm::WeightMajor::kN, gemm::RowsMajor::kM>(
+          s, ps, c, k_blocks_of(c), wg - 1, sink);
     }
+    if constexpr (!Sink::kDirect)
+      if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }
 }
 
@@ -170,15 +177,19 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
   int32_t sm_count = 0;
   if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
   if (a.max_ctas > 0 && a.max_ctas < sm_count) sm_count = a.max_ctas;
-  // lhs and rhs as [max_rows, m | n] with their row strides, in boxes of 64 columns x 64 rows.
-  // A max_rows of 0 still maps one (never read) row.
+  // lhs and rhs as [max_rows, m | n] with their row strides, in boxes of 64 columns x 64 rows;
+  // dw as [E, m, n] in boxes of 64 x 64 (the staging's layout; bf16 overwrite only). A max_rows
+  // of 0 still maps one (never read) row.
   const uint64_t rows = seg.max_rows > 0 ? seg.max_rows : 1;
   const uint64_t lhs_dims[2] = {uint64_t(a.m), rows}, rhs_dims[2] = {uint64_t(a.n), rows};
   const uint64_t lhs_strides[1] = {uint64_t(lhs_ld) * 2}, rhs_strides[1] = {uint64_t(rhs_ld) * 2};
-  const uint32_t box2[2] = {64, kBlockK};
-  CUtensorMap map_lhs, map_rhs;
+  const uint64_t dw_dims[3] = {uint64_t(a.n), uint64_t(a.m), uint64_t(seg.experts)};
+  const uint32_t box2[2] = {64, kBlockK}, box3[3] = {64, 64, 1};
+  const bool staged = !a.fp32_out && !a.accumulate;
+  CUtensorMap map_lhs, map_rhs, map_dw = {};
   if (!encode_bf16_tensor_map(&map_lhs, a.lhs, 2, lhs_dims, box2, lhs_strides).ok() ||
-      !encode_bf16_tensor_map(&map_rhs, a.rhs, 2, rhs_dims, box2, rhs_strides).ok())
+      !encode_bf16_tensor_map(&map_rhs, a.rhs, 2, rhs_dims, box2, rhs_strides).ok() ||
+      (staged && !encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, box3).ok()))
     return cudaErrorInvalidValue;
   WgradParams p;
   p.seg_offset = seg.seg_offset;
@@ -194,12 +205,12 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
   const int64_t tiles = int64_t{seg.experts} * p.m_tiles * p.n_tiles;
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
   constexpr size_t smem = sizeof(Smem) + 1024;  // + alignment slack
-  if (cudaError_t e = cudaFuncSetAttribute(expert_wgrad_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+  auto* kernel = staged ? expert_wgrad_kernel<WgradStoreSink> : expert_wgrad_kernel<WgradDirectSink>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess)
     return e;
-  expert_wgrad_kernel<<<grid, gemm::kThreads, smem, stream>>>(map_lhs, map_rhs, p);
+  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_lhs, map_rhs, map_dw, p);
   return cudaGetLastError();
 }
 
