@@ -50,6 +50,9 @@ struct TaskShape {
   int32_t n_gate_up = 1;        // N tiles of the gate/up GEMM
   int32_t n_down = 1;           // N tiles of the down GEMM
   int32_t head_tiles = 0;       // tiles dispatched in parts by every CTA: the first minibatch
+  // DN tiles of a minibatch row tile by row tile (n fastest) instead of n tile by n tile: for
+  // the backward when experts have few row tiles (down_n_fastest_suits).
+  bool down_n_fastest = false;
 };
 
 // Parts of a head tile's dispatch: 16 rows each for 128-row tiles, so the first minibatch (16
@@ -91,12 +94,26 @@ EPFLOW_HD int32_t num_minibatches(const TaskShape& s) {
 }
 
 // Task `off` of one GEMM's tiles over minibatch j, row tile fastest (concurrent CTAs share the
-// weight tiles of the same n through L2).
+// weight tiles of the same n through L2), or for DN tiles with down_n_fastest, n fastest.
 EPFLOW_HD Task minibatch_task(const TaskShape& s, TaskKind kind, int32_t j, int64_t off) {
   const int32_t first = j * s.minibatch_tiles;
   const int32_t left = s.m_tiles - first;
   const int32_t mt = left < s.minibatch_tiles ? left : s.minibatch_tiles;
+  if (kind == TaskKind::kDown && s.down_n_fastest)
+    return Task{kind, first + static_cast<int32_t>(off / s.n_down),
+                static_cast<int32_t>(off % s.n_down)};
   return Task{kind, first + static_cast<int32_t>(off % mt), static_cast<int32_t>(off / mt)};
+}
+
+// NOTES: the backward's dx tiles (DN) of row tile m wait for all its dhp tiles (GU), which a
+// minibatch lists n tile by n tile; with ~1 row tile per expert (512 tokens/rank) the last n
+// tiles of a minibatch's dhp fall into a second wave, and dx tiles listed row tile fastest reach
+// the rows they hold up at once (the trace: 43 us of waits per CTA against the forward's 0). Row
+// tile by row tile, the dx tiles of the rows done first come first. Only when row tiles of one
+// expert are few: with many (8192 tokens/rank: 16 per expert), row tile fastest is what lets
+// concurrent CTAs share each 2 MB weight slice through L2.
+EPFLOW_HD bool down_n_fastest_suits(int32_t m_tiles, int32_t experts) {
+  return m_tiles <= 2 * experts;
 }
 
 EPFLOW_HD Task compute_task(const TaskShape& s, int64_t t) {

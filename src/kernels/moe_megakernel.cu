@@ -331,6 +331,8 @@ __device__ __forceinline__ TaskShape task_shape(const MegakernelArgs& a) {
   s.n_gate_up = (a.intermediate + kCols1 - 1) / kCols1;
   s.n_down = (a.hidden + gemm::kOutCols<Epilogue::kStore> - 1) / gemm::kOutCols<Epilogue::kStore>;
   s.head_tiles = mega::head_tiles_of(s.m_tiles, s.minibatch_tiles);
+  s.down_n_fastest =
+      P == Pass::kBackward && mega::down_n_fastest_suits(s.m_tiles, a.experts);
   return s;
 }
 
@@ -408,6 +410,7 @@ __device__ __forceinline__ void wait_for_task(const MegakernelArgs& a, const Tas
         v->minibatch_tiles = s.minibatch_tiles;
         v->n_gate_up = s.n_gate_up;
         v->n_down = s.n_down;
+        v->down_n_fastest = s.down_n_fastest;
         v->comm_ctas = a.comm_ctas;
         v->ctas = gridDim.x < kMaxDiagnosedCtas ? gridDim.x : kMaxDiagnosedCtas;
         for (int c = 0; c < v->ctas; ++c)
@@ -886,6 +889,7 @@ std::string describe(const MegakernelDiagnostic& d) {
   shape.minibatch_tiles = d.minibatch_tiles > 0 ? d.minibatch_tiles : 1;
   shape.n_gate_up = d.n_gate_up > 0 ? d.n_gate_up : 1;
   shape.n_down = d.n_down > 0 ? d.n_down : 1;
+  shape.down_n_fastest = d.down_n_fastest != 0;
   const int64_t tasks = mega::num_compute_tasks(shape);
   auto task_text = [&](uint64_t word) -> std::string {
     if (word == 0) return "none";

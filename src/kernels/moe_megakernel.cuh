@@ -47,6 +47,7 @@ struct MegakernelDiagnostic {
   int32_t rank, cta, compute;  // compute: 1 compute partition, 0 communication partition
   int32_t task_kind, m_tile, n_tile, counter, slot, m_tiles, ring_tiles;
   int32_t minibatch_tiles, n_gate_up, n_down, comm_ctas, ctas;
+  int32_t down_n_fastest;  // TaskShape::down_n_fastest: the compute list's order
   uint32_t want, have;
   double seconds;
   uint64_t progress[kMaxDiagnosedCtas][kProgressWords];  // per CTA

@@ -237,9 +237,36 @@ TEST(MegakernelTasks, BackwardPassShapesNoDeadlockAndOwnData) {
       {9, 12, 4, 2, 4},     // I ending in a partial dhp tile
   };
   uint32_t seed = 101;
-  for (const TaskShape& s : shapes)
-    for (int32_t comm : {1, 12})
-      for (int32_t compute : {1, 20}) simulate(s, comm, compute, seed++);
+  for (TaskShape s : shapes)
+    for (bool n_fastest : {false, true}) {  // the dx tiles' order of few-tile experts, or not
+      s.down_n_fastest = n_fastest;
+      for (int32_t comm : {1, 12})
+        for (int32_t compute : {1, 20}) simulate(s, comm, compute, seed++);
+    }
+}
+
+TEST(MegakernelTasks, DownTilesRowTileByRowTileWhenExpertsHaveFewTiles) {
+  TaskShape s{5, 4, 2, 2, 3};  // minibatches: tiles {0,1} {2,3} {4}
+  s.down_n_fastest = true;
+  std::vector<Task> list;
+  for (int64_t t = 0; t < num_compute_tasks(s); ++t) list.push_back(compute_task(s, t));
+  auto is = [&](size_t i, TaskKind k, int32_t m, int32_t n) {
+    return list[i].kind == k && list[i].m_tile == m && list[i].n_tile == n;
+  };
+  // GU as without the flag (row tile fastest); DN(mb 0) at 8..13: (0,0) (0,1) (0,2) (1,0) ...
+  EXPECT_TRUE(is(0, TaskKind::kGateUp, 0, 0));
+  EXPECT_TRUE(is(1, TaskKind::kGateUp, 1, 0));
+  EXPECT_TRUE(is(8, TaskKind::kDown, 0, 0));
+  EXPECT_TRUE(is(9, TaskKind::kDown, 0, 1));
+  EXPECT_TRUE(is(10, TaskKind::kDown, 0, 2));
+  EXPECT_TRUE(is(11, TaskKind::kDown, 1, 0));
+  EXPECT_TRUE(is(22, TaskKind::kDown, 4, 0));
+  EXPECT_TRUE(is(24, TaskKind::kDown, 4, 2));
+  ASSERT_EQ(list.size(), 25u);
+  // The rule: up to two row tiles per local expert.
+  EXPECT_TRUE(down_n_fastest_suits(48, 32));
+  EXPECT_TRUE(down_n_fastest_suits(64, 32));
+  EXPECT_FALSE(down_n_fastest_suits(65, 32));
 }
 
 TEST(MegakernelTasks, EmptyTableHasNoTasks) {
