@@ -115,6 +115,17 @@ std::vector<Worker> deal(int64_t n, int32_t workers, Task (*task)(const TaskShap
 // once its waits hold and the running one has finished). A comm worker whose comm list is done
 // claims compute tasks the same way (the kernel's communication CTAs join the compute tasks).
 // Returns how many compute tasks comm workers claimed (after their comm lists).
+// The compute list of a shape, in order.
+std::vector<Task> compute_list_of(const TaskShape& s) {
+  std::vector<Task> list;
+  for (int64_t t = 0; t < num_compute_tasks(s); ++t) list.push_back(compute_task(s, t));
+  return list;
+}
+
+bool is_task(const Task& t, TaskKind k, int32_t m, int32_t n) {
+  return t.kind == k && t.m_tile == m && t.n_tile == n;
+}
+
 int64_t simulate(TaskShape s, int32_t comm, int32_t compute, uint32_t seed) {
   s.head_tiles = head_tiles_of(s.m_tiles, s.minibatch_tiles);  // as the kernel sets it
   SCOPED_TRACE(testing::Message() << "m_tiles " << s.m_tiles << " ring " << s.ring_tiles
@@ -122,8 +133,7 @@ int64_t simulate(TaskShape s, int32_t comm, int32_t compute, uint32_t seed) {
                                   << "/" << s.n_down << " workers " << comm << "+" << compute
                                   << " seed " << seed);
   std::vector<Worker> workers = deal(num_comm_tasks(s), comm, comm_task, s);
-  std::vector<Task> compute_list;
-  for (int64_t t = 0; t < num_compute_tasks(s); ++t) compute_list.push_back(compute_task(s, t));
+  const std::vector<Task> compute_list = compute_list_of(s);
 
   // The lists hold every task exactly once.
   std::multiset<std::tuple<int, int32_t, int32_t>> seen;
@@ -248,11 +258,8 @@ TEST(MegakernelTasks, BackwardPassShapesNoDeadlockAndOwnData) {
 TEST(MegakernelTasks, DownTilesRowTileByRowTileWhenExpertsHaveFewTiles) {
   TaskShape s{5, 4, 2, 2, 3};  // minibatches: tiles {0,1} {2,3} {4}
   s.down_n_fastest = true;
-  std::vector<Task> list;
-  for (int64_t t = 0; t < num_compute_tasks(s); ++t) list.push_back(compute_task(s, t));
-  auto is = [&](size_t i, TaskKind k, int32_t m, int32_t n) {
-    return list[i].kind == k && list[i].m_tile == m && list[i].n_tile == n;
-  };
+  const std::vector<Task> list = compute_list_of(s);
+  auto is = [&](size_t i, TaskKind k, int32_t m, int32_t n) { return is_task(list[i], k, m, n); };
   // GU as without the flag (row tile fastest); DN(mb 0) at 8..13: (0,0) (0,1) (0,2) (1,0) ...
   EXPECT_TRUE(is(0, TaskKind::kGateUp, 0, 0));
   EXPECT_TRUE(is(1, TaskKind::kGateUp, 1, 0));
@@ -314,11 +321,8 @@ TEST(MegakernelTasks, DispatchPartsCoverTheTileOnce) {
 
 TEST(MegakernelTasks, ComputeListLagsDownGemmByOneMinibatch) {
   const TaskShape s{5, 4, 2, 2, 3};  // minibatches: tiles {0,1} {2,3} {4}
-  std::vector<Task> list;
-  for (int64_t t = 0; t < num_compute_tasks(s); ++t) list.push_back(compute_task(s, t));
-  auto is = [&](size_t i, TaskKind k, int32_t m, int32_t n) {
-    return list[i].kind == k && list[i].m_tile == m && list[i].n_tile == n;
-  };
+  const std::vector<Task> list = compute_list_of(s);
+  auto is = [&](size_t i, TaskKind k, int32_t m, int32_t n) { return is_task(list[i], k, m, n); };
   // GU(mb 0): (0,0) (1,0) (0,1) (1,1); GU(mb 1): 4 tasks; DN(mb 0): 6 tasks; GU(mb 2): 2;
   // DN(mb 1): 6; DN(mb 2): 3.
   EXPECT_TRUE(is(0, TaskKind::kGateUp, 0, 0));
