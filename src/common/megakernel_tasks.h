@@ -29,7 +29,8 @@
 // CTAs; compute CTAs claim compute tasks one at a time, in list order, from one counter. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
 // GU of minibatch j + 1 followed by DN of minibatch j (row tile fastest inside each, so
 // concurrent CTAs share weight tiles through L2), then DN of the last; without the lag (GU(j),
-// DN(j), ...) when the ring holds a single minibatch. Comm list: D(0), D(1), ... in tile order.
+// DN(j), ...) when the ring holds a single minibatch; the backward lists DN n tile fastest when
+// experts have few row tiles (down_n_fastest). Comm list: D(0), D(1), ... in tile order.
 // Both lists are consistent with one global order in which every task comes after all tasks it
 // waits for (docs/ARCHITECTURE.md), and tasks are taken in list order, so the earliest
 // unfinished task has always been taken by a CTA that can run it: no deadlock. The head parts
@@ -106,12 +107,12 @@ EPFLOW_HD Task minibatch_task(const TaskShape& s, TaskKind kind, int32_t j, int6
 }
 
 // NOTES: the backward's dx tiles (DN) of row tile m wait for all its dhp tiles (GU), which a
-// minibatch lists n tile by n tile; with ~1 row tile per expert (512 tokens/rank) the last n
-// tiles of a minibatch's dhp fall into a second wave, and dx tiles listed row tile fastest reach
-// the rows they hold up at once (the trace: 43 us of waits per CTA against the forward's 0). Row
-// tile by row tile, the dx tiles of the rows done first come first. Only when row tiles of one
-// expert are few: with many (8192 tokens/rank: 16 per expert), row tile fastest is what lets
-// concurrent CTAs share each 2 MB weight slice through L2.
+// minibatch lists n tile by n tile; with ~1 row tile per expert (512 tokens/rank) a minibatch's
+// last dhp tiles (likely those past the first wave: 128 dhp tiles for ~120 CTAs at DeepSeek-V3)
+// hold up every dx tile listed row tile fastest. Row tile by row tile, the dx tiles of the rows
+// done first come first (2xH200, DeepSeek-V3 at 512: waits per compute CTA 43-57 -> 30-42 us in
+// the trace). Only when row tiles of one expert are few: with many (8192 tokens/rank: 16 per
+// expert), row tile fastest is what lets concurrent CTAs share each 2 MB weight slice in L2.
 EPFLOW_HD bool down_n_fastest_suits(int32_t m_tiles, int32_t experts) {
   return m_tiles <= 2 * experts;
 }
