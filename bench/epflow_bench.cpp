@@ -28,10 +28,10 @@
 #include "epflow/communicator.h"
 #include "epflow/epflow.h"
 #include "host/layer_internals.h"
-#include "host/status_util.h"
+#include "common/status_util.h"
 #include "presets.h"
 #include "rooflines.h"
-#include "reference/reference_layer.h"
+#include "epflow/reference.h"
 #include "reference/synthetic.h"
 
 namespace {

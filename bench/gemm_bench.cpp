@@ -10,7 +10,7 @@
 //
 // Layout conventions (all row-major, weights [N, K] like nn.Linear, so out = in W^T):
 //   EPFlow:  x [padded rows, H], expert e's rows at [seg_offset[e], seg_offset[e+1]), padded to
-//            kExpertFfnTileM with zero rows (as the layer does);
+//            kTileRows with zero rows (as the layer does);
 //   cuBLAS:  the same rows packed, x [M, H], expert e's at [real_off[e], real_off[e+1]);
 //            gate/up out gu [M, 2I] (gate columns, then up columns), h [M, I], y [M, H].
 #include <cublas_v2.h>
@@ -272,7 +272,7 @@ struct Layout {
 Layout make_layout(std::vector<int64_t> rows) {
   Layout l;
   l.rows = std::move(rows);
-  const int64_t tile = kernels::kExpertFfnTileM;
+  const int64_t tile = kTileRows;
   l.real_off.assign(1, 0);
   l.pad_off.assign(1, 0);
   for (size_t e = 0; e < l.rows.size(); ++e) {

@@ -7,7 +7,7 @@
 
 #include "bench_inputs.h"
 #include "cublas_rows.h"
-#include "host/status_util.h"
+#include "common/status_util.h"
 
 namespace epflow::bench {
 

@@ -18,7 +18,7 @@
 #include "gpu_test_util.h"
 #include "epflow/epflow.h"
 #include "host/layer_internals.h"
-#include "reference/reference_layer.h"
+#include "epflow/reference.h"
 #include "reference/synthetic.h"
 
 namespace epflow::testing {

@@ -11,6 +11,11 @@
 
 namespace epflow {
 
+// NCCL's device-communicator struct changes size between releases: the headers EPFlow was built
+// with must be those of the libnccl loaded at run time. Layer::create() and
+// create_communicator() call this.
+Status check_nccl_version();
+
 // ncclCommInitRank on the current CUDA device, with the NCCL version checked first.
 Status create_communicator(const ncclUniqueId& id, int world, int rank, ncclComm_t* out);
 

@@ -120,8 +120,4 @@ class Layer {
 // layer's waits timed out (Layer::device_failure); `s` unchanged otherwise.
 Status with_device_failure(const Layer& layer, Status s);
 
-// NCCL's device-communicator struct changes size between releases: the headers EPFlow was built
-// with must be those of the libnccl loaded at run time. Layer::create() calls this.
-Status check_nccl_version();
-
 }  // namespace epflow

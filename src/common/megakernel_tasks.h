@@ -3,7 +3,7 @@
 // Portable (EPFLOW_HD): the kernel (src/kernels/moe_megakernel.cu) and the CPU protocol
 // simulation (tests/common/test_megakernel_tasks.cpp) run these same functions.
 //
-// The pull table's row tiles m = 0 .. m_tiles-1 (kBlockM rows each, all inside one expert) live in
+// The pull table's row tiles m = 0 .. m_tiles-1 (kTileRows rows each, all inside one expert) live in
 // a ring of ring_tiles tile slots: tile m uses slot m % ring_tiles during macrobatch
 // m / ring_tiles ("round"). Three task kinds per tile:
 //   D(m)    dispatch: pull the tile's x rows from their source ranks into the slot (the head
@@ -46,7 +46,7 @@ namespace epflow::mega {
 
 struct TaskShape {
   int32_t m_tiles = 0;          // row tiles of this call's pull table (device: seg_offset[E] / M)
-  int32_t ring_tiles = 1;       // tile slots of the ring (rows per macrobatch / kBlockM)
+  int32_t ring_tiles = 1;       // tile slots of the ring (rows per macrobatch / kTileRows)
   int32_t minibatch_tiles = 1;  // row tiles per minibatch; divides ring_tiles
   int32_t n_gate_up = 1;        // N tiles of the gate/up GEMM
   int32_t n_down = 1;           // N tiles of the down GEMM

@@ -6,9 +6,22 @@
 #include <vector>
 
 #include "epflow/layer.h"
-#include "host/status_util.h"
+#include "common/status_util.h"
 
 namespace epflow {
+
+Status check_nccl_version() {
+  int loaded = 0;
+  if (ncclGetVersion(&loaded) != ncclSuccess)
+    return error_status(StatusCode::kNcclError, "ncclGetVersion failed");
+  if (loaded != NCCL_VERSION_CODE)
+    return error_status(
+        StatusCode::kNcclError, "EPFlow was built with NCCL headers ", NCCL_VERSION_CODE,
+        " but the loaded libnccl is ", loaded,
+        ": the device communicator layout differs between releases. Rebuild with "
+        "-DEPFLOW_NCCL_ROOT pointing at the NCCL you load (or fix LD_LIBRARY_PATH).");
+  return Status::ok_status();
+}
 
 Status create_communicator(const ncclUniqueId& id, int world, int rank, ncclComm_t* out) {
   EPFLOW_RETURN_IF_ERROR(check_nccl_version());

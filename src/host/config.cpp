@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-#include "host/status_util.h"
+#include "common/status_util.h"
 
 namespace epflow {
 

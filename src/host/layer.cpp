@@ -10,7 +10,7 @@
 #include "common/routing_schedule.h"
 #include "host/layer_internals.h"
 #include "host/runtime_plan.h"
-#include "host/status_util.h"
+#include "common/status_util.h"
 #include "kernels/comm/lsa_shim.cuh"
 #include "kernels/expert_ffn.cuh"
 #include "kernels/layer_kernels.cuh"
@@ -26,19 +26,6 @@ Status require(bool ok, const char* what) {
 }
 
 }  // namespace
-
-Status check_nccl_version() {
-  int loaded = 0;
-  if (ncclGetVersion(&loaded) != ncclSuccess)
-    return error_status(StatusCode::kNcclError, "ncclGetVersion failed");
-  if (loaded != NCCL_VERSION_CODE)
-    return error_status(
-        StatusCode::kNcclError, "EPFlow was built with NCCL headers ", NCCL_VERSION_CODE,
-        " but the loaded libnccl is ", loaded,
-        ": the device communicator layout differs between releases. Rebuild with "
-        "-DEPFLOW_NCCL_ROOT pointing at the NCCL you load (or fix LD_LIBRARY_PATH).");
-  return Status::ok_status();
-}
 
 Status validate(const LayerConfig& c, const ForwardArgs& a) {
   EPFLOW_RETURN_IF_ERROR(validate(c));
@@ -72,13 +59,6 @@ Status validate(const LayerConfig& c, const SavedContext& saved, const BackwardA
                                  "weight gradients (d_gate, d_up, d_down) must all be set"));
   return Status::ok_status();
 }
-
-#define EPFLOW_CUDA_RETURN(expr)                                                        \
-  do {                                                                                  \
-    const cudaError_t e_ = (expr);                                                      \
-    if (e_ != cudaSuccess)                                                              \
-      return error_status(StatusCode::kCudaError, #expr, ": ", cudaGetErrorString(e_)); \
-  } while (0)
 
 // The forward: symmetric window, device schedule, the fused megakernel (pull dispatch, expert FFN,
 // push combine over a ring of routed rows), barrier, weighted sum; stream-ordered, no host
@@ -279,10 +259,10 @@ Status Layer::Impl::allocate() {
   for (int32_t r = 0; r < c.ep_size; ++r) peers.base[r] = window.peer_bases()[r];
 
   schedule.shape = sched::ScheduleShape{c.ep_size, c.ep_rank, c.experts_per_rank(), c.top_k,
-                                        kernels::kExpertFfnTileM};
+                                        kTileRows};
   schedule.max_tokens_per_rank = c.max_tokens_per_rank;
   max_rows = sched::round_up(sched::pull_table_capacity(schedule.shape, c.max_tokens_per_rank),
-                             kernels::kExpertFfnTileM);
+                             kTileRows);
   auto aligned = [](size_t v) { return (v + 255) / 256 * 256; };
   const size_t schedule_bytes = aligned(kernels::routing_schedule_workspace_bytes(schedule));
   const size_t small_bytes = aligned(sizeof(void*) * c.ep_size) +
@@ -291,7 +271,7 @@ Status Layer::Impl::allocate() {
   const size_t x_bytes = aligned(sizeof(__nv_bfloat16) * ring_rows * c.hidden);
   const size_t h_bytes = aligned(sizeof(__nv_bfloat16) * ring_rows * c.intermediate);
   ring_counter_bytes = kernels::megakernel_counter_bytes(
-      static_cast<int32_t>(ring_rows / kernels::kExpertFfnTileM), sm_count);
+      static_cast<int32_t>(ring_rows / kTileRows), sm_count);
   const size_t counter_bytes = aligned(ring_counter_bytes);
   EPFLOW_CUDA_RETURN(
       cudaMalloc(&local, schedule_bytes + small_bytes + counter_bytes + x_bytes + h_bytes));
@@ -334,7 +314,7 @@ Status Layer::Impl::allocate() {
   EPFLOW_CUDA_RETURN(cudaMalloc(&routing_tally, sizeof(kernels::RoutingTally)));
   EPFLOW_CUDA_RETURN(cudaMemset(routing_tally, 0, sizeof(kernels::RoutingTally)));
   EPFLOW_CUDA_RETURN(cudaMemset(static_cast<char*>(window.local()) + layout.flags, 0,
-                                sizeof(uint64_t) * Limits::kMaxEpSize));
+                                sizeof(uint64_t) * kernels::kMaxPeers));
   EPFLOW_CUDA_RETURN(cudaDeviceSynchronize());
   // NOTES: no rank may signal a barrier before every rank has zeroed its flags: one collective
   // at creation (host sync allowed here, never in forward) orders the two.
@@ -381,7 +361,7 @@ kernels::MegakernelArgs Layer::Impl::megakernel_args(const ExpertWeights& w) con
   m.hidden = static_cast<int32_t>(c.hidden);
   m.intermediate = static_cast<int32_t>(c.intermediate);
   m.top_k = c.top_k;
-  m.minibatch_tiles = static_cast<int32_t>(plan.minibatch_rows / kernels::kExpertFfnTileM);
+  m.minibatch_tiles = static_cast<int32_t>(plan.minibatch_rows / kTileRows);
   m.w_gate = w.gate;
   m.w_up = w.up;
   m.w_down = w.down;
@@ -403,7 +383,7 @@ Status Layer::Impl::run_megakernel(const ForwardArgs& a, bool keep_gate_up, cuda
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(ring_counters, 0, ring_counter_bytes, stream));
   kernels::MegakernelArgs m = megakernel_args(a.weights);
   m.x_offset = layout.x;
-  m.ring_tiles = static_cast<int32_t>(plan.ring_rows / kernels::kExpertFfnTileM);
+  m.ring_tiles = static_cast<int32_t>(plan.ring_rows / kTileRows);
   m.ring_x = ring_x;
   m.ring_h = ring_h;
   m.counters = ring_counters;
@@ -613,7 +593,7 @@ Status Layer::Impl::allocate_backward() {
   EPFLOW_CUDA_RETURN(cudaMalloc(&saved_gate_up, saved_bytes));
   memory.saved_bytes = static_cast<int64_t>(saved_bytes);
   bw_rows = sched::round_up(max_rows, plan.minibatch_rows);
-  const int32_t ring_tiles = static_cast<int32_t>(bw_rows / kernels::kExpertFfnTileM);
+  const int32_t ring_tiles = static_cast<int32_t>(bw_rows / kTileRows);
   auto aligned = [](size_t v) { return (v + 255) / 256 * 256; };
   const size_t rows_bytes = sizeof(__nv_bfloat16) * bw_rows * (2 * H + 3 * I);
   const size_t partial_bytes =
@@ -676,7 +656,7 @@ Status Layer::Impl::run_backward_megakernel(const SavedContext& saved, cudaStrea
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(bw_counters, 0, bw_counter_bytes, stream));
   kernels::MegakernelArgs m = megakernel_args(saved.weights);
   m.x_offset = layout.dy;
-  m.ring_tiles = static_cast<int32_t>(bw_rows / kernels::kExpertFfnTileM);
+  m.ring_tiles = static_cast<int32_t>(bw_rows / kTileRows);
   m.ring_x = bw_dy;
   m.ring_h = bw_dgu;
   m.counters = bw_counters;

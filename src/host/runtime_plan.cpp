@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "common/routing_schedule.h"
-#include "host/status_util.h"
+#include "common/status_util.h"
 
 namespace epflow::runtime {
 

@@ -5,16 +5,16 @@
 
 #include <cstdint>
 
+#include "common/tile.h"
 #include "epflow/config.h"
 #include "epflow/status.h"
 
 namespace epflow::runtime {
 
-// GEMM tile of the expert FFN. NOTES: 128x256 is the Hopper wgmma tile the seeds' minibatch rule
-// is stated for; issue [C] picks the shipped tiles by heuristic and will feed them in here.
+// GEMM tile of the expert FFN (common/tile.h).
 struct TileShape {
-  int32_t m = 128;
-  int32_t n = 256;
+  int32_t m = kTileRows;
+  int32_t n = kTileCols;
 };
 
 struct LayerPlan {

@@ -10,7 +10,7 @@ namespace epflow::kernels {
 
 cudaError_t launch_expert_ffn(const ExpertFfnArgs& args, cudaStream_t stream) {
   if (args.experts < 0 || args.hidden <= 0 || args.hidden % 64 != 0 || args.intermediate <= 0 ||
-      args.intermediate % 64 != 0 || args.max_rows < 0 || args.max_rows % kExpertFfnTileM != 0)
+      args.intermediate % 64 != 0 || args.max_rows < 0 || args.max_rows % kTileRows != 0)
     return cudaErrorInvalidValue;
   if (args.experts == 0 || args.max_rows == 0) return cudaSuccess;
   if (!args.seg_offset || !args.x || !args.w_gate || !args.w_up || !args.w_down || !args.h ||

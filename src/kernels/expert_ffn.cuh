@@ -2,7 +2,7 @@
 // the down GEMM, both on the persistent wgmma + TMA grouped GEMM of grouped_gemm.cuh.
 //
 // Rows of local expert e are [seg_offset[e], seg_offset[e+1]), each segment padded to a multiple
-// of kExpertFfnTileM (so no M tile spans two experts). seg_offset lives on the device (no host
+// of kTileRows (so no M tile spans two experts). seg_offset lives on the device (no host
 // sync): the grid is sized for max_rows and tiles past seg_offset[experts] exit at once.
 #pragma once
 
@@ -11,15 +11,15 @@
 
 #include <cstdint>
 
-namespace epflow::kernels {
+#include "common/tile.h"
 
-inline constexpr int kExpertFfnTileM = 128;
+namespace epflow::kernels {
 
 struct ExpertFfnArgs {
   int32_t experts = 0;          // E_local
   int64_t hidden = 0;           // H, multiple of 64
   int64_t intermediate = 0;     // I, multiple of 64
-  int64_t max_rows = 0;         // rows the buffers hold (multiple of kExpertFfnTileM)
+  int64_t max_rows = 0;         // rows the buffers hold (multiple of kTileRows)
   const int64_t* seg_offset = nullptr;  // device [experts + 1]
   // Optional, device [experts]: real (unpadded) rows of each expert. Where given, a warpgroup
   // whose 64 rows of a tile are all padding skips its MMAs and stores, and those rows of h and
@@ -37,14 +37,14 @@ struct ExpertFfnArgs {
 cudaError_t launch_expert_ffn(const ExpertFfnArgs& args, cudaStream_t stream);
 
 // The expert-grouped rows the backward's GEMMs run over (as in ExpertFfnArgs): segments
-// seg_offset[e] .. seg_offset[e + 1] padded to kExpertFfnTileM, buffers of max_rows rows.
+// seg_offset[e] .. seg_offset[e + 1] padded to kTileRows, buffers of max_rows rows.
 struct ExpertSegments {
   int32_t experts = 0;
-  int64_t max_rows = 0;                  // multiple of kExpertFfnTileM
+  int64_t max_rows = 0;                  // multiple of kTileRows
   const int64_t* seg_offset = nullptr;   // device [experts + 1]
   const int32_t* expert_rows = nullptr;  // optional, device [experts]: real rows per expert
   bool valid() const {
-    return experts >= 0 && max_rows >= 0 && max_rows % kExpertFfnTileM == 0;
+    return experts >= 0 && max_rows >= 0 && max_rows % kTileRows == 0;
   }
   bool empty() const { return experts == 0 || max_rows == 0; }
 };

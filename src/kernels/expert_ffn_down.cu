@@ -8,7 +8,7 @@ cudaError_t launch_expert_ffn_down(const ExpertFfnArgs& a, int32_t sm_count,
                                    cudaStream_t stream) {
   constexpr int kStages = 3;  // 3 x 48 KB of tiles + 64 KB of output staging: 208 KB of 227
   CUtensorMap map_w;          // [E, H, I]
-  if (!gemm::encode_weight_map(a.w_down, a.experts, a.hidden, a.intermediate, gemm::kBlockNMma,
+  if (!gemm::encode_weight_map(a.w_down, a.experts, a.hidden, a.intermediate, kTileCols,
                                &map_w))
     return cudaErrorInvalidValue;
   const gemm::GemmParams p =

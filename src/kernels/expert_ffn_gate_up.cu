@@ -8,7 +8,7 @@ cudaError_t launch_expert_ffn_gate_up(const ExpertFfnArgs& a, int32_t sm_count,
                                       cudaStream_t stream) {
   constexpr int kStages = 4;  // 4 x 48 KB of tiles in flight + 32 KB staging: 224 KB of 227
   CUtensorMap map_gate, map_up;
-  constexpr uint32_t kHalf = gemm::kBlockNMma / 2;
+  constexpr uint32_t kHalf = kTileCols / 2;
   if (!gemm::encode_weight_map(a.w_gate, a.experts, a.intermediate, a.hidden, kHalf, &map_gate) ||
       !gemm::encode_weight_map(a.w_up, a.experts, a.intermediate, a.hidden, kHalf, &map_up))
     return cudaErrorInvalidValue;

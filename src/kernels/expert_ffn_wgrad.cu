@@ -13,8 +13,7 @@ namespace {
 
 using gemm::Epilogue;
 using gemm::kBlockK;
-using gemm::kBlockM;
-using gemm::kBlockNMma;
+using kTileCols;
 
 constexpr int kStages = 3;  // 3 x 48 KB of tiles + 64 KB of output staging: 208 KB of 227
 using Smem = gemm::SharedStorage<Epilogue::kStore, kStages>;
@@ -35,9 +34,9 @@ struct WgradStoreSink : gemm::DirectStoreSink<Epilogue::kStore> {
   __device__ void publish(int wg, int tid, const uint8_t* staging, const gemm::TileCoord& c) {
     if (tid != 0) return;
 #pragma unroll
-    for (int box = 0; box < kBlockNMma / 64; ++box)
-      ptx::tma_store_3d(map_out, staging + box * 64 * 128, c.n_tile * kBlockNMma + box * 64,
-                        c.m_tile * kBlockM + wg * 64, c.expert);
+    for (int box = 0; box < kTileCols / 64; ++box)
+      ptx::tma_store_3d(map_out, staging + box * 64 * 128, c.n_tile * kTileCols + box * 64,
+                        c.m_tile * kTileRows + wg * 64, c.expert);
     ptx::tma_store_commit();
   }
 };
@@ -53,12 +52,12 @@ struct WgradDirectSink {
   __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int wg, int tid) {
     const int warp = tid / 32, g = tid % 32 / 4;
     q = tid % 4;
-    cols = static_cast<int32_t>(p->n - int64_t{c.n_tile} * kBlockNMma);
+    cols = static_cast<int32_t>(p->n - int64_t{c.n_tile} * kTileCols);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t row = int64_t{c.m_tile} * kBlockM + wg * 64 + warp * 16 + g + 8 * half;
+      const int64_t row = int64_t{c.m_tile} * kTileRows + wg * 64 + warp * 16 + g + 8 * half;
       row_base[half] =
-          row < p->m ? (c.expert * p->m + row) * p->n + int64_t{c.n_tile} * kBlockNMma : -1;
+          row < p->m ? (c.expert * p->m + row) * p->n + int64_t{c.n_tile} * kTileCols : -1;
     }
   }
   __device__ __forceinline__ void begin(int, int) {}
@@ -94,7 +93,7 @@ __device__ __forceinline__ gemm::TileCoord wgrad_tile(const WgradParams& p, int6
   const int32_t in_expert = static_cast<int32_t>(t % per_expert);
   c.m_tile = in_expert % p.m_tiles;
   c.n_tile = in_expert / p.m_tiles;
-  c.rows = kBlockM;  // every row of dw's tile is real (stores past m are clipped)
+  c.rows = kTileRows;  // every row of dw's tile is real (stores past m are clipped)
   c.a_row = static_cast<int32_t>(p.seg_offset[c.expert]);  // the expert's first row: K origin
   return c;
 }
@@ -127,7 +126,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
     if (threadIdx.x != 0) return;
-    constexpr uint32_t kBytes = (kBlockM + kBlockNMma) * kBlockK * 2;
+    constexpr uint32_t kBytes = (kTileRows + kTileCols) * kBlockK * 2;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const gemm::TileCoord c = wgrad_tile(p, t);
       const int32_t k_blocks = k_blocks_of(c);
@@ -137,13 +136,13 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
         ptx::mbarrier_arrive_expect_tx(full, kBytes);
         const int32_t row = c.a_row + kb * kBlockK;
 #pragma unroll
-        for (int box = 0; box < kBlockM / 64; ++box)
+        for (int box = 0; box < kTileRows / 64; ++box)
           ptx::tma_load_2d(s.a[ps.stage] + box * 64 * kBlockK * 2, &map_lhs,
-                           c.m_tile * kBlockM + box * 64, row, full);
+                           c.m_tile * kTileRows + box * 64, row, full);
 #pragma unroll
-        for (int box = 0; box < kBlockNMma / 64; ++box)
+        for (int box = 0; box < kTileCols / 64; ++box)
           ptx::tma_load_2d(s.b[ps.stage] + box * 64 * kBlockK * 2, &map_rhs,
-                           c.n_tile * kBlockNMma + box * 64, row, full);
+                           c.n_tile * kTileCols + box * 64, row, full);
       }
     }
   } else {
@@ -200,8 +199,8 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
   p.n = a.n;
   p.fp32_out = a.fp32_out;
   p.accumulate = a.accumulate;
-  p.m_tiles = static_cast<int32_t>((a.m + kBlockM - 1) / kBlockM);
-  p.n_tiles = static_cast<int32_t>((a.n + kBlockNMma - 1) / kBlockNMma);
+  p.m_tiles = static_cast<int32_t>((a.m + kTileRows - 1) / kTileRows);
+  p.n_tiles = static_cast<int32_t>((a.n + kTileCols - 1) / kTileCols);
   const int64_t tiles = int64_t{seg.experts} * p.m_tiles * p.n_tiles;
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
   constexpr size_t smem = sizeof(Smem) + 1024;  // + alignment slack

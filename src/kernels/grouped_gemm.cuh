@@ -31,7 +31,8 @@
 #include <cstdint>
 
 #include "common/routing_schedule.h"
-#include "host/tensor_map.h"
+#include "common/tile.h"
+#include "kernels/tensor_map.h"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/ptx/wgmma.cuh"
 
@@ -44,14 +45,12 @@ enum class WeightMajor { kK, kN };
 // loaded like an N-major weight tile: 64 M x 64 K boxes, one per consumer warpgroup.
 enum class RowsMajor { kK, kM };
 
-inline constexpr int kBlockM = 128;  // = the schedule's segment padding (kExpertFfnTileM)
 inline constexpr int kBlockK = 64;   // one 128-byte swizzle row of bf16
-inline constexpr int kBlockNMma = 256;
 inline constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
 inline constexpr int kGroupM = 8;     // tiles are walked in bands of kGroupM row tiles
 
 template <Epilogue kEpi>
-inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kBlockNMma / 2 : kBlockNMma;
+inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kTileCols / 2 : kTileCols;
 
 struct GemmParams {
   const int64_t* seg_offset = nullptr;   // device [experts + 1]
@@ -82,8 +81,8 @@ inline constexpr int kStagingBytes = 64 * kOutCols<kEpi> * 2;
 // warpgroup. A megakernel that runs both epilogues sizes the staging for the larger (kStore).
 template <int kStages, int kStaging>
 struct alignas(1024) GemmSmem {
-  uint8_t a[kStages][kBlockM * kBlockK * 2];
-  uint8_t b[kStages][kBlockNMma * kBlockK * 2];
+  uint8_t a[kStages][kTileRows * kBlockK * 2];
+  uint8_t b[kStages][kTileCols * kBlockK * 2];
   uint8_t out[2][kStaging];
   uint64_t full[kStages];
   uint64_t empty[kStages];
@@ -108,7 +107,7 @@ struct PipelineState {
 
 struct TileCoord {
   int32_t m_tile, n_tile, expert;
-  int32_t rows;   // rows of the tile that hold routed data (kBlockM when not known)
+  int32_t rows;   // rows of the tile that hold routed data (kTileRows when not known)
   int32_t a_row;  // first row of the tile in the row operand and output tensors
 };
 
@@ -155,13 +154,13 @@ __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int3
   TileCoord c;
   c.m_tile = band * kGroupM + in_band % band_m;
   c.n_tile = in_band / band_m;
-  c.expert = sched::expert_of_row(seg_offset, experts, int64_t{c.m_tile} * kBlockM);
-  c.rows = kBlockM;
-  c.a_row = c.m_tile * kBlockM;
+  c.expert = sched::expert_of_row(seg_offset, experts, int64_t{c.m_tile} * kTileRows);
+  c.rows = kTileRows;
+  c.a_row = c.m_tile * kTileRows;
   if (expert_rows) {
     const int64_t left =
-        seg_offset[c.expert] + expert_rows[c.expert] - int64_t{c.m_tile} * kBlockM;
-    c.rows = static_cast<int32_t>(left < kBlockM ? left : kBlockM);  // >= 1: no all-padding tile
+        seg_offset[c.expert] + expert_rows[c.expert] - int64_t{c.m_tile} * kTileRows;
+    c.rows = static_cast<int32_t>(left < kTileRows ? left : kTileRows);  // >= 1: no all-padding tile
   }
   return c;
 }
@@ -205,10 +204,10 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
   // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
   // sizes) loads only whole 16-row boxes covering them: the rest of the A stage keeps stale
   // data, which only feeds output rows that are padding (never read: combine skips them).
-  const bool full_rows = c.rows == kBlockM;
+  const bool full_rows = c.rows == kTileRows;
   const int32_t row_boxes = (c.rows + kRowBoxM - 1) / kRowBoxM;
-  const uint32_t a_bytes = (full_rows ? kBlockM : row_boxes * kRowBoxM) * kBlockK * 2;
-  const uint32_t bytes = a_bytes + kBlockNMma * kBlockK * 2;
+  const uint32_t a_bytes = (full_rows ? kTileRows : row_boxes * kRowBoxM) * kBlockK * 2;
+  const uint32_t bytes = a_bytes + kTileCols * kBlockK * 2;
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
     if (tags.tag && kb == 0) {
@@ -231,16 +230,16 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
       const CUtensorMap* map_b = first ? map_b0 : map_b1;
       const int32_t k = (first ? kb : kb - b0_k_blocks) * kBlockK;
 #pragma unroll
-      for (int box = 0; box < kBlockNMma / 64; ++box)
+      for (int box = 0; box < kTileCols / 64; ++box)
         ptx::tma_load_3d(s.b[ps.stage] + box * 64 * kBlockK * 2, map_b,
-                         c.n_tile * kBlockNMma + box * 64, k, c.expert, full);
+                         c.n_tile * kTileCols + box * 64, k, c.expert, full);
     } else if constexpr (kEpi == Epilogue::kSwiGLU) {
-      constexpr int kHalf = kBlockNMma / 2;
+      constexpr int kHalf = kTileCols / 2;
       ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kHalf, c.expert, full);
       ptx::tma_load_3d(s.b[ps.stage] + kHalf * kBlockK * 2, map_b1, kb * kBlockK, c.n_tile * kHalf,
                        c.expert, full);
     } else {
-      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kBlockNMma, c.expert, full);
+      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kTileCols, c.expert, full);
     }
   }
 }
@@ -303,13 +302,13 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     return;
   }
   if constexpr (Sink::kDirect) sink.prepare(c, wg, tid);
-  float acc[kBlockNMma / 2];
+  float acc[kTileCols / 2];
   constexpr bool kMMajor = kRows == RowsMajor::kM;
   if constexpr (kMMajor) {
     // A weight gradient of an expert with no rows is zero (no wgmma writes the accumulators).
     if (k_blocks == 0)
 #pragma unroll
-      for (int i = 0; i < kBlockNMma / 2; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
   }
   // Stage 0's descriptors; a stage and a 16-element step along K are fixed byte offsets from them.
   const uint64_t a_desc0 =
@@ -351,7 +350,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     static_assert(kEpi == Epilogue::kStore, "direct sinks take plain outputs");
     sink.begin(wg, tid);
 #pragma unroll
-    for (int j = 0; j < kBlockNMma / 8; ++j) {
+    for (int j = 0; j < kTileCols / 8; ++j) {
       sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
       sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
     }
@@ -372,7 +371,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
       // A sink that keeps the pre-activations for the backward gets them first.
       if constexpr (requires { sink.keep_gate_up(acc, c, wg, tid); })
         sink.keep_gate_up(acc, c, wg, tid);
-      constexpr int kUp = kBlockNMma / 2 / 8 * 4;  // register offset of the up half
+      constexpr int kUp = kTileCols / 2 / 8 * 4;  // register offset of the up half
       auto swiglu = [](float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; };
 #pragma unroll
       for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
@@ -427,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   const int64_t total_rows = p.seg_offset[p.experts];
-  const int32_t m_tiles = static_cast<int32_t>(total_rows / kBlockM);
+  const int32_t m_tiles = static_cast<int32_t>(total_rows / kTileRows);
   const int32_t n_tiles = (p.n_out + kOutCols<kEpi> - 1) / kOutCols<kEpi>;
   const int64_t tiles = int64_t{m_tiles} * n_tiles;
   const int32_t k_blocks = p.k / kBlockK;
@@ -463,7 +462,7 @@ constexpr size_t shared_bytes() {
 inline bool encode_row_operand_maps(const void* rows, int64_t k, int64_t max_rows,
                                     CUtensorMap* map, CUtensorMap* map_few_rows) {
   const uint64_t dims[2] = {uint64_t(k), uint64_t(max_rows)};
-  const uint32_t box[2] = {kBlockK, kBlockM};
+  const uint32_t box[2] = {kBlockK, kTileRows};
   const uint32_t few_box[2] = {kBlockK, kRowBoxM};
   return encode_bf16_tensor_map(map, rows, 2, dims, box).ok() &&
          encode_bf16_tensor_map(map_few_rows, rows, 2, dims, few_box).ok();
@@ -476,8 +475,8 @@ inline bool encode_output_map(void* out, int64_t n, int64_t max_rows, CUtensorMa
 }
 // Expert weights [experts, n, k] (nn.Linear layout per expert) in boxes of box_rows rows; 3-D,
 // so a tile past n reads zeros, never the next expert. The same weights read N-major (dy W):
-// encode_weight_map_n_major maps [experts, k, n] in boxes of 64 n x 64 k. Gate and up: kBlockNMma / 2 rows each
-// (a gate/up tile is 128 gate + the same 128 up rows); down: kBlockNMma.
+// encode_weight_map_n_major maps [experts, k, n] in boxes of 64 n x 64 k. Gate and up: kTileCols / 2 rows each
+// (a gate/up tile is 128 gate + the same 128 up rows); down: kTileCols.
 inline bool encode_weight_map(const void* w, int64_t experts, int64_t n, int64_t k,
                               uint32_t box_rows, CUtensorMap* map) {
   const uint64_t dims[3] = {uint64_t(k), uint64_t(n), uint64_t(experts)};
@@ -505,7 +504,7 @@ cudaError_t launch_grouped_gemm(const void* rows, int64_t max_rows, const CUtens
       !encode_output_map(out, p.n_out, max_rows, &map_out))
     return cudaErrorInvalidValue;
   const int64_t max_tiles =
-      max_rows / kBlockM * ((p.n_out + kOutCols<kEpi> - 1) / kOutCols<kEpi>);
+      max_rows / kTileRows * ((p.n_out + kOutCols<kEpi> - 1) / kOutCols<kEpi>);
   const int grid = static_cast<int>(max_tiles < sm_count ? max_tiles : sm_count);
   auto* kernel = grouped_gemm_kernel<kEpi, kStages, kMajor>;
   constexpr size_t smem = shared_bytes<kEpi, kStages>();

@@ -11,18 +11,20 @@
 #include <cstdint>
 
 #include "common/routing_schedule.h"
-#include "epflow/config.h"
 
 namespace epflow::kernels {
 
+// The most ranks a window is shared by (epflow::Limits::kMaxEpSize, one NVL72 domain).
+inline constexpr int kMaxPeers = 72;
+
 // Every rank's copy of the layer's symmetric window, as this GPU addresses it (NVLink-mapped).
 struct PeerWindows {
-  char* base[Limits::kMaxEpSize] = {};
+  char* base[kMaxPeers] = {};
 };
 
 // Where things sit inside the symmetric window (same offsets on every rank).
 struct WindowLayout {
-  size_t flags = 0;     // uint64_t[kMaxEpSize]: flags[src] = last barrier epoch src signalled
+  size_t flags = 0;     // uint64_t[kMaxPeers]: flags[src] = last barrier epoch src signalled
   size_t tokens = 0;    // int64_t: this rank's T of the current call
   size_t topk_idx = 0;  // int32_t[T_max, K]
   size_t x = 0;         // bf16[T_max, H]: tokens the peers pull

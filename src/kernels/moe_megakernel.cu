@@ -18,7 +18,6 @@ namespace epflow::kernels {
 namespace {
 
 using gemm::Epilogue;
-using gemm::kBlockM;
 using mega::Task;
 using mega::TaskKind;
 using mega::TaskShape;
@@ -95,7 +94,7 @@ struct RingSink {
   __device__ __forceinline__ void keep_gate_up(const float* acc, const gemm::TileCoord& c, int wg,
                                                int tid) {
     if (!a->gate_up_out) return;
-    constexpr int kHalfCols = gemm::kBlockNMma / 2;  // gate columns, then as many up columns
+    constexpr int kHalfCols = kTileCols / 2;  // gate columns, then as many up columns
     constexpr int kUp = kHalfCols / 8 * 4;           // register offset of the up half
     const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
     const int64_t I = a->intermediate;
@@ -104,7 +103,7 @@ struct RingSink {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = wg * 64 + warp * 16 + g + 8 * half;
-      dst[half] = row < c.rows ? a->gate_up_out + (int64_t{c.m_tile} * kBlockM + row) * 2 * I +
+      dst[half] = row < c.rows ? a->gate_up_out + (int64_t{c.m_tile} * kTileRows + row) * 2 * I +
                                      int64_t{c.n_tile} * kHalfCols
                                : nullptr;
     }
@@ -149,15 +148,15 @@ struct PushCombineSink {
   __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int wg, int tid) {
     const int warp = tid / 32, g = tid % 32 / 4;
     q = tid % 4;
-    cols = a->hidden - c.n_tile * gemm::kBlockNMma;
+    cols = a->hidden - c.n_tile * kTileCols;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = wg * 64 + warp * 16 + g + 8 * half;
       dst[half] = nullptr;
       if (row < c.rows) {
-        const sched::PullRow r = a->table[int64_t{c.m_tile} * kBlockM + row];
+        const sched::PullRow r = a->table[int64_t{c.m_tile} * kTileRows + row];
         dst[half] = a->peers.base[r.src_rank] + a->combine_offset +
-                    (int64_t{r.src_slot} * a->hidden + int64_t{c.n_tile} * gemm::kBlockNMma) * 2;
+                    (int64_t{r.src_slot} * a->hidden + int64_t{c.n_tile} * kTileCols) * 2;
       }
     }
   }
@@ -207,7 +206,7 @@ struct DhSink {
     c = tile;
     wg = warpgroup;
     tid = thread;
-    const int64_t I = a->intermediate, col0 = int64_t{tile.n_tile} * gemm::kBlockNMma;
+    const int64_t I = a->intermediate, col0 = int64_t{tile.n_tile} * kTileCols;
     q = tid % 4;
     cols = static_cast<int32_t>(I - col0);
 #pragma unroll
@@ -270,7 +269,7 @@ struct DhSink {
         *reinterpret_cast<uint4*>(dgu[h] + a->intermediate + block) = vdu;
       }
     }
-    if (j != gemm::kBlockNMma / 8 - 1) return;
+    if (j != kTileCols / 8 - 1) return;
     // The quad's four partial sums of each row, in a fixed order.
     const int32_t n_dh = backward_dh_tiles(a->intermediate);
 #pragma unroll
@@ -292,9 +291,9 @@ struct DhSink {
   __device__ __forceinline__ void skip(int warpgroup, int thread) {
     wg = warpgroup;
     tid = thread;
-    const int64_t I = a->intermediate, col0 = int64_t{c.n_tile} * gemm::kBlockNMma;
+    const int64_t I = a->intermediate, col0 = int64_t{c.n_tile} * kTileCols;
     const int32_t chunks =
-        static_cast<int32_t>((I - col0 < gemm::kBlockNMma ? I - col0 : gemm::kBlockNMma) / 8);
+        static_cast<int32_t>((I - col0 < kTileCols ? I - col0 : kTileCols) / 8);
     for (int32_t i = tid; i < 64 * 3 * chunks; i += 128) {
       const int64_t row = int64_t{c.a_row} + wg * 64 + i / (3 * chunks);
       const int32_t part = i % (3 * chunks) / chunks, col = i % chunks * 8;
@@ -321,7 +320,7 @@ struct Maps {
 template <Pass P>
 __device__ __forceinline__ TaskShape task_shape(const MegakernelArgs& a) {
   TaskShape s;
-  s.m_tiles = static_cast<int32_t>(a.seg_offset[a.experts] / kBlockM);
+  s.m_tiles = static_cast<int32_t>(a.seg_offset[a.experts] / kTileRows);
   s.ring_tiles = a.ring_tiles;
   s.minibatch_tiles = a.minibatch_tiles;
   // Output columns of a first-GEMM tile: 128 of h (256 accumulator columns: gate and up), or
@@ -343,11 +342,11 @@ __device__ __forceinline__ gemm::TileCoord tile_of(const MegakernelArgs& a, cons
   gemm::TileCoord c;
   c.m_tile = t.m_tile;
   c.n_tile = t.n_tile;
-  const int64_t first_row = int64_t{t.m_tile} * kBlockM;
+  const int64_t first_row = int64_t{t.m_tile} * kTileRows;
   c.expert = sched::expert_of_row(a.seg_offset, a.experts, first_row);
   const int64_t left = a.seg_offset[c.expert] + a.expert_rows[c.expert] - first_row;
-  c.rows = static_cast<int32_t>(left < kBlockM ? left : kBlockM);
-  c.a_row = mega::ring_slot_of_tile(s, t.m_tile) * kBlockM;
+  c.rows = static_cast<int32_t>(left < kTileRows ? left : kTileRows);
+  c.a_row = mega::ring_slot_of_tile(s, t.m_tile) * kTileRows;
   return c;
 }
 
@@ -485,8 +484,8 @@ __device__ __forceinline__ void pull_warps_sync(const RowPipe& pipe) {
 }
 
 // What one pull copies: rows [begin, end) of a row tile, from the window region at src_offset
-// ([T, H] per rank: x or dy) into the tile's rows at dst; rows [zero_from, kBlockM) of the tile
-// are written as zeros (the backward's weight gradients sum over padding rows: kBlockM, none);
+// ([T, H] per rank: x or dy) into the tile's rows at dst; rows [zero_from, kTileRows) of the tile
+// are written as zeros (the backward's weight gradients sum over padding rows: kTileRows, none);
 // signal: the slot's counter says the rows are in (a pull the GEMMs do not wait for: none).
 struct PullJob {
   size_t src_offset;
@@ -504,9 +503,9 @@ __device__ __forceinline__ PullJob dispatch_job(const MegakernelArgs& a, const T
   PullJob job;
   job.src_offset = a.x_offset;
   job.dst = reinterpret_cast<uint8_t*>(a.ring_x) +
-            int64_t{mega::ring_slot_of_tile(s, t.m_tile)} * kBlockM * a.hidden * 2;
+            int64_t{mega::ring_slot_of_tile(s, t.m_tile)} * kTileRows * a.hidden * 2;
   mega::dispatch_rows(s, t, rows, &job.begin, &job.end);
-  job.zero_from = P == Pass::kBackward && job.begin == 0 ? rows : kBlockM;
+  job.zero_from = P == Pass::kBackward && job.begin == 0 ? rows : kTileRows;
   job.signal = true;
   return job;
 }
@@ -515,7 +514,7 @@ __device__ __forceinline__ PullJob dispatch_job(const MegakernelArgs& a, const T
 __device__ __forceinline__ PullJob x_job(const MegakernelArgs& a, const TaskShape& s, int32_t m) {
   const int32_t rows = tile_of(a, s, Task{TaskKind::kDispatch, m, 0}).rows;
   return PullJob{a.x_pull_offset,
-                 reinterpret_cast<uint8_t*>(a.x_out) + int64_t{m} * kBlockM * a.hidden * 2, 0,
+                 reinterpret_cast<uint8_t*>(a.x_out) + int64_t{m} * kTileRows * a.hidden * 2, 0,
                  rows, rows, false};
 }
 
@@ -534,7 +533,7 @@ __device__ __forceinline__ void pull_rows(const MegakernelArgs& a, const TaskSha
   // This warp's rows of the task: k = 0 .. mine-1 is the task's row begin + warp + k * warps.
   const int32_t first = job.begin + pipe.warp;
   const int32_t mine = job.end > first ? (job.end - first + pipe.warps - 1) / pipe.warps : 0;
-  const sched::PullRow* table = a.table + int64_t{t.m_tile} * kBlockM;
+  const sched::PullRow* table = a.table + int64_t{t.m_tile} * kTileRows;
   // Lane l holds the source of this warp's row window + l (loads come in increasing k).
   int32_t window = -32;
   uint64_t src = 0;
@@ -573,9 +572,9 @@ __device__ __forceinline__ void pull_rows(const MegakernelArgs& a, const TaskSha
     if (refill) load(k - 1 + slots);
   }
   pipe.seq += static_cast<uint32_t>(mine);
-  if (job.zero_from < kBlockM) {
+  if (job.zero_from < kTileRows) {
     const int32_t chunks = static_cast<int32_t>(pipe.row_bytes / 16);
-    for (int32_t r = job.zero_from + pipe.warp; r < kBlockM; r += pipe.warps)
+    for (int32_t r = job.zero_from + pipe.warp; r < kTileRows; r += pipe.warps)
       for (int32_t c = lane; c < chunks; c += 32)
         reinterpret_cast<uint4*>(job.dst + int64_t{r} * pipe.row_bytes)[c] = make_uint4(0, 0, 0, 0);
     cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // read by TMA, like the pulled rows
@@ -940,7 +939,7 @@ cudaError_t launch(const MegakernelArgs& a, int32_t sm_count, cudaStream_t strea
   if (kBackward && (!a.gate_up_in || !a.wh_out || !a.dw_partial || !a.x_out || a.gate_up_out))
     return cudaErrorInvalidValue;
   Maps m;
-  const int64_t ring_rows = int64_t{a.ring_tiles} * kBlockM;
+  const int64_t ring_rows = int64_t{a.ring_tiles} * kTileRows;
   const int64_t E = a.experts, H = a.hidden, I = a.intermediate;
   bool ok = gemm::encode_row_operand_maps(a.ring_x, H, ring_rows, &m.rows1, &m.rows1_few) &&
             gemm::encode_row_operand_maps(a.ring_h, (kBackward ? 2 : 1) * I, ring_rows, &m.rows2,
@@ -952,11 +951,11 @@ cudaError_t launch(const MegakernelArgs& a, int32_t sm_count, cudaStream_t strea
          gemm::encode_weight_map_n_major(a.w_up, E, I, H, &m.w2b);
     m.w1b = m.w1a;
   } else {
-    constexpr uint32_t kHalf = gemm::kBlockNMma / 2;
+    constexpr uint32_t kHalf = kTileCols / 2;
     ok = ok && gemm::encode_weight_map(a.w_gate, E, I, H, kHalf, &m.w1a) &&
          gemm::encode_weight_map(a.w_up, E, I, H, kHalf, &m.w1b) &&
          gemm::encode_output_map(a.ring_h, I, ring_rows, &m.h_out) &&
-         gemm::encode_weight_map(a.w_down, E, H, I, gemm::kBlockNMma, &m.w2a);
+         gemm::encode_weight_map(a.w_down, E, H, I, kTileCols, &m.w2a);
     m.w2b = m.w2a;
   }
   if (!ok) return cudaErrorInvalidValue;

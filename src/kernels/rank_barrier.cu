@@ -68,7 +68,7 @@ __global__ void rank_barrier_kernel(BarrierArgs a) {
 }  // namespace
 
 cudaError_t launch_rank_barrier(const BarrierArgs& args, cudaStream_t stream) {
-  static_assert(Limits::kMaxEpSize <= 128, "one thread per peer");
+  static_assert(kMaxPeers <= 128, "one thread per peer");
   rank_barrier_kernel<<<1, 128, 0, stream>>>(args);
   return cudaGetLastError();
 }

@@ -10,7 +10,7 @@ WindowLayout WindowLayout::make(int64_t max_tokens, int64_t hidden, int32_t top_
   WindowLayout l;
   size_t at = 0;
   l.flags = at;
-  at = align(at + sizeof(uint64_t) * Limits::kMaxEpSize);
+  at = align(at + sizeof(uint64_t) * kMaxPeers);
   l.tokens = at;
   at = align(at + sizeof(int64_t));
   l.topk_idx = at;

@@ -1,11 +1,11 @@
-#include "reference/reference_layer.h"
+#include "epflow/reference.h"
 
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-#include "host/status_util.h"
+#include "common/status_util.h"
 
 namespace epflow::reference {
 namespace {

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "epflow/config.h"
-#include "reference/reference_layer.h"
+#include "epflow/reference.h"
 
 namespace epflow::synthetic {
 

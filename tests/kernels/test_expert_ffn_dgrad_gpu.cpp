@@ -18,7 +18,6 @@
 namespace epflow {
 namespace {
 
-using kernels::kExpertFfnTileM;
 using namespace test_data;
 
 struct Case {
@@ -34,9 +33,9 @@ void run_case(const Case& c, bool pass_expert_rows) {
   const int32_t E = static_cast<int32_t>(c.rows.size());
   const int64_t K = c.k, K0 = c.k0, N = c.n;
   std::vector<int64_t> seg(E + 1, 0);
-  for (int32_t e = 0; e < E; ++e) seg[e + 1] = seg[e] + sched::round_up(c.rows[e], kExpertFfnTileM);
+  for (int32_t e = 0; e < E; ++e) seg[e + 1] = seg[e] + sched::round_up(c.rows[e], kTileRows);
   const int64_t total = seg[E];
-  const int64_t max_rows = total + c.spare_tiles * kExpertFfnTileM;
+  const int64_t max_rows = total + c.spare_tiles * kTileRows;
 
   // Rows: routed ones random, padding zero (as the layer leaves them), past the end poisoned.
   std::vector<uint16_t> a(max_rows * K, kPoison);

@@ -22,7 +22,6 @@
 namespace epflow {
 namespace {
 
-using kernels::kExpertFfnTileM;
 using namespace test_data;
 
 struct Case {
@@ -45,9 +44,9 @@ void run_case(const Case& c, bool pass_expert_rows) {
   const int32_t E = static_cast<int32_t>(c.rows.size());
 
   std::vector<int64_t> seg(E + 1, 0);
-  for (int32_t e = 0; e < E; ++e) seg[e + 1] = seg[e] + sched::round_up(c.rows[e], kExpertFfnTileM);
+  for (int32_t e = 0; e < E; ++e) seg[e + 1] = seg[e] + sched::round_up(c.rows[e], kTileRows);
   const int64_t total = seg[E];
-  const int64_t max_rows = total + c.spare_tiles * kExpertFfnTileM;
+  const int64_t max_rows = total + c.spare_tiles * kTileRows;
 
   // x: routed rows random; padding rows zero (the layer zero-fills them); rows past the last
   // segment poisoned (no correct kernel reads them).

@@ -19,7 +19,6 @@
 namespace epflow {
 namespace {
 
-using kernels::kExpertFfnTileM;
 using namespace test_data;
 
 struct Case {
@@ -63,8 +62,8 @@ void run_case(const Case& c) {
   const int32_t E = static_cast<int32_t>(c.rows.size());
   const int64_t M = c.m, N = c.n;
   std::vector<int64_t> seg(E + 1, 0);
-  for (int32_t e = 0; e < E; ++e) seg[e + 1] = seg[e] + sched::round_up(c.rows[e], kExpertFfnTileM);
-  const int64_t max_rows = seg[E] + kExpertFfnTileM;  // one spare tile, poisoned
+  for (int32_t e = 0; e < E; ++e) seg[e + 1] = seg[e] + sched::round_up(c.rows[e], kTileRows);
+  const int64_t max_rows = seg[E] + kTileRows;  // one spare tile, poisoned
   const int64_t lhs_ld = c.lhs_skip + M;
   const std::vector<uint16_t> lhs =
       segment_rows(seg, c.rows, max_rows, lhs_ld, c.seed, 1, c.real_rows);

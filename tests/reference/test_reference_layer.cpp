@@ -16,7 +16,7 @@
 
 #include "epflow/config.h"
 #include "epflow/status.h"
-#include "reference/reference_layer.h"
+#include "epflow/reference.h"
 #include "reference/synthetic.h"
 
 namespace epflow {

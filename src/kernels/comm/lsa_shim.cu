@@ -1,6 +1,6 @@
 #include <nccl_device.h>
 
-#include "host/status_util.h"
+#include "common/status_util.h"
 #include "kernels/comm/lsa_shim.cuh"
 
 namespace epflow::comm {
@@ -18,13 +18,6 @@ __global__ void peer_bases_kernel(ncclWindow_t window, int world, char** out) {
     if (r_ != ncclSuccess)                                                                  \
       return error_status(StatusCode::kNcclError, what, ": ", ncclGetErrorString(r_), " (", \
                           ncclGetLastError(comm), ")");                                     \
-  } while (0)
-
-#define EPFLOW_CUDA_RETURN(expr, what)                                                       \
-  do {                                                                                       \
-    const cudaError_t e_ = (expr);                                                           \
-    if (e_ != cudaSuccess)                                                                   \
-      return error_status(StatusCode::kCudaError, what, ": ", cudaGetErrorString(e_));      \
   } while (0)
 
 }  // namespace
@@ -66,13 +59,15 @@ Status LsaWindow::create(ncclComm_t comm, size_t bytes, LsaWindow* out) {
                         "): EPFlow needs every rank in one NVLink domain with CUDA P2P and cuMem");
   }
   char** d_bases = nullptr;
-  EPFLOW_CUDA_RETURN(cudaMalloc(&d_bases, sizeof(char*) * world), "cudaMalloc");
+  EPFLOW_CUDA_RETURN(cudaMalloc(&d_bases, sizeof(char*) * world));
   peer_bases_kernel<<<1, 128>>>(w.window_, world, d_bases);
   w.peer_bases_.resize(world);
   const cudaError_t e = cudaMemcpy(w.peer_bases_.data(), d_bases, sizeof(char*) * world,
                                    cudaMemcpyDeviceToHost);
   cudaFree(d_bases);
-  EPFLOW_CUDA_RETURN(e, "reading the peers' window addresses");
+  if (e != cudaSuccess)
+    return error_status(StatusCode::kCudaError, "reading the peers' window addresses: ",
+                        cudaGetErrorString(e));
   *out = w;
   return Status::ok_status();
 }

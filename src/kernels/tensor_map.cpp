@@ -1,11 +1,11 @@
-#include "host/tensor_map.h"
+#include "kernels/tensor_map.h"
 
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
 #include <mutex>
 
-#include "host/status_util.h"
+#include "common/status_util.h"
 
 namespace epflow {
 

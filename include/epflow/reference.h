@@ -1,4 +1,5 @@
-// CPU reference of the EPFlow MoE layer, forward and backward, over several simulated EP ranks.
+// EPFlow: the CPU reference of the MoE layer, forward and backward, over several simulated EP
+// ranks (link epflow::reference).
 // The math of docs/ARCHITECTURE.md §Math with fp32 storage and double accumulation. It is the
 // ground truth every GPU kernel is checked against, so it stays plain: every sum in index order.
 #pragma once

@@ -31,4 +31,13 @@ Status invalid_argument(const Parts&... parts) {
     if (!epflow_status_.ok()) return epflow_status_; \
   } while (0)
 
+// A failed CUDA runtime call as kCudaError naming the call and CUDA's reason.
+#define EPFLOW_CUDA_RETURN(expr)                                                          \
+  do {                                                                                    \
+    const cudaError_t epflow_cuda_error_ = (expr);                                        \
+    if (epflow_cuda_error_ != cudaSuccess)                                                \
+      return ::epflow::error_status(::epflow::StatusCode::kCudaError, #expr, ": ",        \
+                                    cudaGetErrorString(epflow_cuda_error_));              \
+  } while (0)
+
 }  // namespace epflow
