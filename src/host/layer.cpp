@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/routing_schedule.h"
+#include "epflow/communicator.h"
 #include "host/layer_internals.h"
 #include "host/runtime_plan.h"
 #include "common/status_util.h"
