@@ -1,5 +1,5 @@
-// epflow-gemm-bench: the benchmark that decides issue [C] ("the grouped GEMM must be as fast as
-// the best library GEMMs"). In one run, on one GPU and the same data, it times
+// epflow-gemm-bench: the expert FFN's grouped GEMMs against the best library GEMMs. In one run,
+// on one GPU and the same data, it times
 //   1. EPFlow's expert FFN (kernels::launch_expert_ffn: both GEMMs, SwiGLU fused),
 //   2. cuBLAS dense bf16 GEMMs of the same FLOPs ([M,H]x[H,2I], [M,I]x[I,H], M = real rows),
 //   3. cuBLAS grouped GEMMs on the same expert groups (gate+up, elementwise SwiGLU, down),
@@ -40,7 +40,7 @@
 #include "bench_check.h"
 #include "cublas_rows.h"
 #include "bench_inputs.h"
-#include "kernels/expert_ffn.cuh"
+#include "unfused/expert_ffn.cuh"
 #include "presets.h"
 #include "swiglu_baseline.cuh"
 

@@ -218,7 +218,7 @@ def render_comparison(runs):
 
 
 def render_epflow(docs):
-    """Per-stage tables: fused runs (issue [E] on) and, for older files, the unfused chain."""
+    """Per-stage tables: fused runs and, for older files, the unfused chain."""
     fused = [{**d, "runs": [r for r in d["runs"] if r.get("fused")]} for d in docs]
     chain = [{**d, "runs": [r for r in d["runs"] if not r.get("fused")]} for d in docs]
     fused, chain = [d for d in fused if d["runs"]], [d for d in chain if d["runs"]]

@@ -1,4 +1,4 @@
-// The yardsticks issue [E] holds the layer to, measured in the same run as the layer: the cuBLAS
+// The yardsticks the layer is held to, measured in the same run as the layer: the cuBLAS
 // dense bf16 GEMM rate on the layer's own FLOPs, and the HBM copy bandwidth that bounds streaming
 // the local experts' weights at decode sizes.
 #pragma once

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kernels/ptx/tma.cuh"
-#include "kernels/warp_row_copy.cuh"
+#include "unfused/warp_row_copy.cuh"
 
 namespace {
 

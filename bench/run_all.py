@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue [D]'s one command on the GPU machine: EPFlow and its baselines side by side on the same
+"""One command on a GPU machine: EPFlow and its baselines side by side on the same
 inputs. Builds nothing: it expects epflow-bench built (scripts/build.sh) and runs, for each EP
 size (1, and 2 when two GPUs are present), epflow-bench (EPFlow and its in-process NCCL+cuBLAS
 baseline) and torchrun bench/baselines/torch_moe.py (NCCL+PyTorch), merges all results into one

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Trains a small MoE transformer block with EPFlow, and the same model with the pure-PyTorch
 expert-parallel layer (bench/baselines/torch_moe.py: all_to_all + torch._grouped_mm, autograd
-backward), side by side on the same data from the same initial weights (issue [G]).
+backward), side by side on the same data from the same initial weights.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --standalone --nproc_per_node 2 examples/train_moe.py [--steps 300]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer runs of the GPU tests (issue [H]): memcheck, racecheck and synccheck on the
+# compute-sanitizer runs of the GPU tests: memcheck, racecheck and synccheck on the
 # one-GPU tests of small shapes (the DeepSeek-V3-shape tests take hours under the tools; the
 # forced-timeout tests trap on purpose). Needs a built tree (scripts/build.sh) and one GPU.
 #   scripts/compute_sanitize.sh [memcheck|racecheck|synccheck ...]   (default: all three)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sanitizer runs of the CPU-portable code (issue [H]): the routing schedule's property tests and
+# Sanitizer runs of the CPU-portable code: the routing schedule's property tests and
 # the megakernel task-list simulation under AddressSanitizer + UndefinedBehaviorSanitizer, with
 # more random schedule shapes than the default suite (EPFLOW_FUZZ_CASES), and the megakernel's
 # hand-off protocol run by real threads under ThreadSanitizer. Builds only these CPU targets, in

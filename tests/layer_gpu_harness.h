@@ -17,9 +17,10 @@
 #include "epflow/communicator.h"
 #include "gpu_test_util.h"
 #include "epflow/epflow.h"
-#include "host/layer_internals.h"
+#include "host/layer_core.h"
 #include "epflow/reference.h"
 #include "reference/synthetic.h"
+#include "unfused/unfused_executors.h"
 
 namespace epflow::testing {
 
@@ -84,7 +85,7 @@ struct LayerRunResult {
   } while (0)
 
 struct RunOptions {
-  bool unfused = false;     // the unfused chain of issue [B] instead of the megakernel
+  bool unfused = false;     // the unfused chain (bench/unfused) instead of the megakernel
   bool cuda_graph = false;  // capture each call in a CUDA graph, then replay it twice
   // Run each call this many times back to back (not with cuda_graph); every output must be
   // bit-identical to the first (the layer is deterministic), which is the one returned.
@@ -100,10 +101,14 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
   return run_on_local_gpus(world, [&](int rank, ncclComm_t comm) -> Status {
     LayerConfig c = base;
     c.ep_rank = rank;
-    std::unique_ptr<Layer> layer;
-    if (Status s = Layer::create(c, comm, &layer); !s.ok()) return s;
-    if (options.unfused)
-      if (Status s = LayerInternals::use_unfused_forward(*layer, true); !s.ok()) return s;
+    std::unique_ptr<LayerCore> layer;  // the public Layer's core: its executor can be swapped
+    if (Status s = LayerCore::create(c, comm, &layer); !s.ok()) return s;
+    if (options.unfused) {
+      std::unique_ptr<bench::UnfusedForward> unfused;
+      if (Status s = bench::UnfusedForward::create(layer->workspace(), &unfused); !s.ok())
+        return s;
+      layer->set_forward_executor(std::move(unfused));
+    }
     const auto& ex = experts[rank];
     std::vector<__nv_bfloat16*> w(3, nullptr);
     const std::vector<float>* host_w[3] = {&ex.gate, &ex.up, &ex.down};
@@ -141,9 +146,8 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       auto sync = [&]() -> Status {
         const cudaError_t e = cudaStreamSynchronize(stream);
         if (e == cudaSuccess) return Status::ok_status();
-        return with_device_failure(
-            *layer, Status(StatusCode::kCudaError,
-                           std::string("cudaStreamSynchronize: ") + cudaGetErrorString(e)));
+        return layer->with_device_failure(Status(
+            StatusCode::kCudaError, std::string("cudaStreamSynchronize: ") + cudaGetErrorString(e)));
       };
       if (options.cuda_graph) {
         // Two replays of one capture: the second proves the graph (barrier epochs, counters)

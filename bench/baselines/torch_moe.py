@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The NCCL+PyTorch baseline of issue [D]: the expert-parallel MoE layer as a competent PyTorch
+"""The NCCL+PyTorch baseline: the expert-parallel MoE layer as a competent PyTorch
 user writes it today (all_to_all_single + torch._grouped_mm + permutation kernels, autograd for
 the backward), on the same inputs as epflow-bench (bench/baselines/inputs.py mirrors
 bench/bench_inputs.h; rank = global rank, num_experts = experts_per_rank * world).

@@ -67,10 +67,4 @@ struct LayerConfig {
 // Checks a config against the limits of the kernels; no device needed.
 Status validate(const LayerConfig& config);
 
-// FLOPs of the routed experts' forward for `routed_rows` (token, k) rows: 3 GEMMs of 2*H*I each.
-inline double forward_flops(const LayerConfig& c, int64_t routed_rows) {
-  return 6.0 * static_cast<double>(routed_rows) * static_cast<double>(c.hidden) *
-         static_cast<double>(c.intermediate);
-}
-
 }  // namespace epflow

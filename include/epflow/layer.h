@@ -77,8 +77,6 @@ struct MemoryReport {
 Status validate(const LayerConfig& config, const ForwardArgs& args);
 Status validate(const LayerConfig& config, const SavedContext& saved, const BackwardArgs& args);
 
-struct LayerInternals;  // src/host/layer_internals.h: per-stage timing for epflow-bench
-
 class Layer {
  public:
   // `comm` spans the EP group: its size must equal config.ep_size and its rank config.ep_rank.
@@ -110,7 +108,6 @@ class Layer {
   Status device_failure() const;
 
  private:
-  friend struct LayerInternals;
   struct Impl;
   explicit Layer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -1,4 +1,4 @@
-// EPFlow's PyTorch binding (issue [G]): a torch op library, loaded from Python with
+// EPFlow's PyTorch binding: a torch op library, loaded from Python with
 // torch.ops.load_library (python/epflow/__init__.py).
 //
 //   torch.classes.epflow.Handle(unique_id, world, rank, device, hidden, intermediate, num_experts,

@@ -34,13 +34,6 @@ int32_t default_backward_comm_sms(const LayerConfig& c, int32_t sm_count) {
   return comm_sms_for(c, sm_count, 2.0);
 }
 
-int32_t default_backward_side_sms(const LayerConfig& c, int32_t sm_count) {
-  const double r = (4.0 / 3.0) * kGemmFlopsPerComputeSm /
-                   (3.0 * static_cast<double>(c.intermediate) * kPullBytesPerCommSm);
-  const auto side = static_cast<int32_t>(std::lround(sm_count * r / (1.0 + r)));
-  return std::max(1, std::min(std::max(side, 2), sm_count / 4));
-}
-
 Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   if (Status s = validate(c); !s.ok()) return s;
   LayerPlan p;
@@ -75,7 +68,6 @@ Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   // Per ring row: the routed x row (H) and its SwiGLU output (I), bf16 (the expert output goes
   // straight from the down GEMM's registers to the owner's combine slot).
   p.ring_bytes = p.ring_rows * (c.hidden + c.intermediate) * 2;
-  p.backward_side_sms = default_backward_side_sms(c, sm_count);
   p.backward_comm_sms = std::min(default_backward_comm_sms(c, sm_count), sm_count - 1);
   *plan = p;
   return Status::ok_status();

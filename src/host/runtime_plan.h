@@ -26,7 +26,6 @@ struct LayerPlan {
   int64_t ring_rows = 0;        // multiple of minibatch_rows
   int64_t max_routed_rows = 0;  // pull-table capacity: every slot of every rank, plus padding
   int64_t ring_bytes = 0;       // routed x rows + SwiGLU intermediates (bf16)
-  int32_t backward_side_sms = 0;  // unfused backward: SMs its GEMMs leave to x pull / dx push
   int32_t backward_comm_sms = 0;  // backward megakernel: communication partition
 };
 
@@ -46,15 +45,6 @@ inline constexpr double kGemmFlopsPerComputeSm = 4.6e12;
 inline constexpr double kPullBytesPerCommSm = 31e9;
 inline constexpr int32_t kMinCommSms = 4;
 int32_t default_comm_sms(const LayerConfig& config, int32_t sm_count);
-// SMs the backward leaves to its side stream (the x rows pulled in and the dx rows pushed out
-// while its GEMMs run on the others). NOTES: the same bytes per FLOP as the forward's dispatch
-// (a row moves 4·H bytes against 12·H·I FLOPs of dgrad and wgrad), but the side work spans whole
-// GEMM phases, so a 4/3 margin instead of the dispatch's 2: r = (4/3)·R_gemm / (3·I·R_pull).
-// That gives 4 for I = 2048, 5 for I = 1536, 10 for I = 768; an A/B of 0/4/8/16 SMs on 2xH200
-// (2026-11-30, the four presets at 512/2048/8192 tokens/rank, EP 2) was best at 4 for I = 2048
-// and 1536 and at 8-16 for I = 768, where 4 was up to 39% slower.
-int32_t default_backward_side_sms(const LayerConfig& config, int32_t sm_count);
-
 // The backward megakernel's communication SMs: the forward's rule with twice the bytes per
 // row (it pulls dy for its GEMMs and x for the weight gradients: 4·H bytes against the same
 // 6·H·I FLOPs of its two GEMMs), at most a quarter of the SMs: 12 for I = 2048, 15 for I = 1536,

@@ -1,6 +1,5 @@
-// Launchers of the layer's separate kernels: the barrier and weighted sum around the
-// megakernels, the backward's router-weight gradient, and the unfused chains' dispatch, combine
-// and SwiGLU backward (kept for comparison).
+// Launchers of the layer's kernels around the megakernels: the barrier between the ranks, the
+// weighted sum, the backward's router-weight gradient; the symmetric window's layout.
 // One kernel per file, all stream-ordered; none synchronises with the host.
 #pragma once
 
@@ -66,66 +65,6 @@ struct BarrierArgs {
 };
 cudaError_t launch_rank_barrier(const BarrierArgs& args, cudaStream_t stream);
 
-// Threads of a row-moving CTA: kRowMoverThreads when the kernel has the GPU to itself (a few
-// waves of CTAs), up to kRowMoverMaxThreads when it runs beside a GEMM on a few SMs it leaves
-// free (one big CTA per SM, so that the CTAs land on as many SMs as there are CTAs).
-inline constexpr int kRowMoverThreads = 256;
-inline constexpr int kRowMoverMaxThreads = 1024;
-
-// Pull dispatch: routed_x[row] = x of row's (src_rank, token) read from src_rank's window.
-// Rows at or past seg_offset[experts] are not touched, padding rows only with zero_padding_rows.
-struct DispatchArgs {
-  PeerWindows peers;
-  size_t x_offset = 0;
-  const sched::PullRow* table = nullptr;
-  const int64_t* seg_offset = nullptr;  // device [experts + 1]
-  int32_t experts = 0;
-  int64_t hidden = 0;
-  int32_t top_k = 0;
-  __nv_bfloat16* routed_x = nullptr;  // [max_rows, H]
-  // The backward's x rows: zero the padding rows (the weight-gradient GEMMs sum over them).
-  bool zero_padding_rows = false;
-};
-// blocks x threads (a multiple of 32, at most kRowMoverMaxThreads): warp_row_copy.cuh.
-cudaError_t launch_pull_dispatch(const DispatchArgs& args, int32_t blocks, cudaStream_t stream,
-                                 int32_t threads = kRowMoverThreads);
-
-// Push combine: expert output row -> the owner's combine slot (token * K + k) in its window.
-struct CombineArgs {
-  PeerWindows peers;
-  size_t combine_offset = 0;
-  const sched::PullRow* table = nullptr;
-  const int64_t* seg_offset = nullptr;
-  int32_t experts = 0;
-  int64_t hidden = 0;
-  const __nv_bfloat16* routed_y = nullptr;  // [max_rows, H]
-};
-cudaError_t launch_push_combine(const CombineArgs& args, int32_t blocks, cudaStream_t stream,
-                                int32_t threads = kRowMoverThreads);
-
-// Backward of the SwiGLU and of the router weight, routed row by routed row (a warp per row of
-// the pull table). With w the owner's topk_weights[src_slot] (read from its window), g and u the
-// gate/up outputs the forward kept and dhp = dy W_down (the down GEMM's input gradient before w):
-//   h = silu(g) u, rounded to bf16 as the forward stored it; d w = <dhp, h>, written to the
-//   owner's d_weights[src_slot] (its window); dh = w dhp; dg = dh u silu'(g); du = dh silu(g)
-//   into dgu = [dg | du]; w h in place of dhp. NOTES: w h rather than dz = w dy, so that
-//   dW_down = dzᵀ h = dyᵀ (w h) reads the dy rows as pulled: no pass over the [rows, H] dy.
-// Padding rows of dgu and w h are zeroed: the weight-gradient GEMMs sum over them.
-struct SwigluBackwardArgs {
-  PeerWindows peers;
-  size_t weights_offset = 0;    // WindowLayout::topk_weights
-  size_t d_weights_offset = 0;  // WindowLayout::d_weights
-  const sched::PullRow* table = nullptr;
-  const int64_t* seg_offset = nullptr;  // device [experts + 1]
-  int32_t experts = 0;
-  int64_t intermediate = 0;
-  const __nv_bfloat16* gate_up = nullptr;  // [max_rows, 2I]: g | u, as the forward kept them
-  __nv_bfloat16* dhp_wh = nullptr;   // [max_rows, I]: dhp in, w h out
-  __nv_bfloat16* dgu = nullptr;      // [max_rows, 2I] out
-};
-cudaError_t launch_swiglu_backward(const SwigluBackwardArgs& args, int32_t blocks,
-                                   cudaStream_t stream);
-
 // The backward megakernel's d topk_weights: for every routed row of the pull table, the sum of
 // its n_tiles partial dot products <dhp, h> (dw_partial [rows, n_tiles], from the dhp tiles'
 // epilogues) in tile order, written to the owner's d_weights[src_slot] (its window). A thread per
@@ -157,7 +96,7 @@ struct RoutingCheck {
 // The check's running tally of one call, in device memory (zero before the first call; the
 // call's last block copies it into the RoutingCheck and zeroes it again). NOTES: the counting
 // atomics run here, not on the host-mapped record: atomics on host memory need the host's PCIe
-// atomics, which compute-sanitizer memcheck showed this H200 machine lacks.
+// atomics, which not every host has (compute-sanitizer memcheck flags them where it lacks them).
 struct RoutingTally {
   uint32_t bad_slots, duplicated_slots;
   int64_t token;

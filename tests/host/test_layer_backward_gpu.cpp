@@ -21,7 +21,8 @@
 #include <vector>
 
 #include "gpu_test_util.h"
-#include "host/layer_internals.h"
+#include "host/layer_core.h"
+#include "unfused/unfused_executors.h"
 #include "layer_gpu_harness.h"
 
 namespace epflow {
@@ -36,9 +37,9 @@ struct GradOptions {
   bool check_repeatable = false;  // run the (writing) backward again: bitwise the same outputs
   // Then capture forward + backward in a CUDA graph and replay it: bitwise the same outputs.
   bool check_graph = false;
-  bool unfused = false;    // LayerInternals::use_unfused_backward
-  int32_t side_sms = -1;  // unfused, >= 0: LayerInternals::set_backward_side_sms (0: none)
-  int32_t comm_sms = 0;   // > 0: LayerInternals::set_backward_comm_sms (the megakernel's)
+  bool unfused = false;    // the unfused backward (bench/unfused)
+  int32_t side_sms = -1;  // unfused: its side-stream SMs (0: none; < 0: its default)
+  int32_t comm_sms = 0;   // > 0: the backward megakernel's communication SMs
 };
 
 // Every rank's gradients as floats, in reference::RankGrads' layout.
@@ -92,16 +93,21 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
   return run_on_local_gpus(base.ep_size, [&](int rank, ncclComm_t comm) -> Status {
     LayerConfig c = base;
     c.ep_rank = rank;
-    std::unique_ptr<Layer> layer;
-    if (Status s = Layer::create(c, comm, &layer); !s.ok()) return s;
-    if (options.unfused)
-      if (Status s = LayerInternals::use_unfused_backward(*layer, true); !s.ok()) return s;
-    if (options.side_sms >= 0)
-      if (Status s = LayerInternals::set_backward_side_sms(*layer, options.side_sms); !s.ok())
+    std::unique_ptr<LayerCore> layer;  // the public Layer's core: its executors can be set
+    if (Status s = LayerCore::create(c, comm, &layer); !s.ok()) return s;
+    if (options.unfused) {
+      const int32_t side_sms =
+          options.side_sms >= 0
+              ? options.side_sms
+              : bench::default_backward_side_sms(c, layer->workspace().sm_count);
+      std::unique_ptr<bench::UnfusedBackward> unfused;
+      if (Status s = bench::UnfusedBackward::create(layer->workspace(), side_sms, &unfused);
+          !s.ok())
         return s;
+      layer->set_backward_executor(std::move(unfused));
+    }
     if (options.comm_sms > 0)
-      if (Status s = LayerInternals::set_backward_comm_sms(*layer, options.comm_sms); !s.ok())
-        return s;
+      if (Status s = layer->set_backward_comm_sms(options.comm_sms); !s.ok()) return s;
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
     const int64_t T = in[rank].num_tokens;
     std::vector<__nv_bfloat16*> w(3, nullptr);
@@ -151,7 +157,7 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     }
     const cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess)
-      return with_device_failure(*layer, Status(StatusCode::kCudaError, cudaGetErrorString(e)));
+      return layer->with_device_failure(Status(StatusCode::kCudaError, cudaGetErrorString(e)));
     reference::RankGrads& out = (*grads)[rank];
     const std::vector<std::pair<Poisoned*, std::vector<float>*>> outputs = {
         {&dx, &out.dx}, {&dtw, &out.d_topk_weights}, {&dgate, &out.d_gate}, {&dup, &out.d_up},
@@ -328,16 +334,20 @@ TEST(LayerBackwardGpu, CapturedInCudaGraph) {
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
 }
 
-// A backward the layer must refuse before launching anything: after the unfused forward (a
-// benchmark path, it keeps no g | u), or with a context an later forward made stale (it replaced
+// A backward the layer must refuse before launching anything: of the unfused forward (the
+// benchmark's comparison, it keeps no g | u: its forward with a context is refused already), or with a context an later forward made stale (it replaced
 // the schedule and the window's x the backward reuses), even one without a context.
 Status refused_backward(bool unfused, bool forward_again, StatusCode want) {
   const LayerConfig c = small_config(1, 64);
   return run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
-    std::unique_ptr<Layer> layer;
-    if (Status e = Layer::create(c, comm, &layer); !e.ok()) return e;
-    if (unfused)
-      if (Status e = LayerInternals::use_unfused_forward(*layer, true); !e.ok()) return e;
+    std::unique_ptr<LayerCore> layer;
+    if (Status e = LayerCore::create(c, comm, &layer); !e.ok()) return e;
+    if (unfused) {
+      std::unique_ptr<bench::UnfusedForward> forward;
+      if (Status e = bench::UnfusedForward::create(layer->workspace(), &forward); !e.ok())
+        return e;
+      layer->set_forward_executor(std::move(forward));
+    }
     const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank();
     Poisoned w, x, y, idx, tw, grads, dtw;
     for (auto [buf, n, bytes] :
@@ -355,7 +365,13 @@ Status refused_backward(bool unfused, bool forward_again, StatusCode want) {
     f.weights = {wp, wp + E * I * H, wp + 2 * E * I * H};
     f.y = static_cast<__nv_bfloat16*>(y.ptr);
     SavedContext saved;
-    if (Status e = layer->forward(f, nullptr, &saved); !e.ok()) return e;
+    const Status forward = layer->forward(f, nullptr, &saved);
+    if (unfused)  // refused at the forward already: it cannot keep what the backward reads
+      return forward.code() == want
+                 ? Status::ok_status()
+                 : Status(StatusCode::kInternal, "expected " + std::string(to_string(want)) +
+                                                     " from the forward, got " + forward.to_string());
+    if (!forward.ok()) return forward;
     if (forward_again)
       if (Status e = layer->forward(f, nullptr, nullptr); !e.ok()) return e;
     EPFLOW_TRY_CUDA(cudaDeviceSynchronize());

@@ -3,7 +3,7 @@
 // on each rank, T = 0 on one rank, repeated calls on one workspace, and the DeepSeek-V3 per-rank
 // shape at T = 1, 100 and 4096 (whose routed rows wrap the default ring several times). The
 // megakernel also with rings smaller than the routed rows, several SM splits and minibatch
-// sizes, and captured in a CUDA graph; the unfused chain of issue [B] on the same cases; a
+// sizes, and captured in a CUDA graph; the unfused chain (bench/unfused) on the same cases; a
 // timed-out wait reported as an error that names it; 200 back-to-back calls at a small token
 // count, bit-identical.
 #include <gtest/gtest.h>

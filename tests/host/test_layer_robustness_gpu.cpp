@@ -1,4 +1,4 @@
-// Robustness at the layer's boundary (issue [H]). Bad routing never passes silently: a topk_idx
+// Robustness at the layer's boundary. Bad routing never passes silently: a topk_idx
 // with an expert id out of range and an expert repeated within a token's top-k is reported,
 // once, by Layer::check_routing (or by the call after it), with the first bad slot; the report
 // is then cleared and good calls report nothing; the call with bad ids still runs to the end

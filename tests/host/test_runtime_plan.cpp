@@ -53,23 +53,6 @@ TEST(RuntimePlan, CommunicationSmsFollowTheBytesPerFlop) {
   EXPECT_EQ(default_comm_sms(c, 2), 1);  // and never none
 }
 
-TEST(RuntimePlan, BackwardSideSmsFollowTheBytesPerFlop) {
-  LayerConfig c = deepseek_v3_ep2();  // I = 2048
-  EXPECT_EQ(default_backward_side_sms(c, 132), 4);
-  c.intermediate = 1536;
-  EXPECT_EQ(default_backward_side_sms(c, 132), 5);
-  c.intermediate = 768;
-  EXPECT_EQ(default_backward_side_sms(c, 132), 10);
-  c.intermediate = 16384;  // at least 2
-  EXPECT_EQ(default_backward_side_sms(c, 132), 2);
-  c.intermediate = 64;  // at most a quarter of the SMs
-  EXPECT_EQ(default_backward_side_sms(c, 132), 33);
-  EXPECT_EQ(default_backward_side_sms(c, 2), 1);  // and always one
-  LayerPlan p;
-  ASSERT_TRUE(make_plan(c, 132, &p).ok());
-  EXPECT_EQ(p.backward_side_sms, 33);
-}
-
 TEST(RuntimePlan, DefaultRingNeverExceedsWhatCanBeRouted) {
   LayerConfig c = deepseek_v3_ep2();
   c.max_tokens_per_rank = 16;

@@ -13,7 +13,7 @@
 #include "common/routing_schedule.h"
 #include "expert_test_data.h"
 #include "gpu_test_util.h"
-#include "kernels/expert_ffn.cuh"
+#include "unfused/expert_ffn.cuh"
 
 namespace epflow {
 namespace {

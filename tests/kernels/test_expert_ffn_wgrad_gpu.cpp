@@ -14,7 +14,7 @@
 #include "common/routing_schedule.h"
 #include "expert_test_data.h"
 #include "gpu_test_util.h"
-#include "kernels/expert_ffn.cuh"
+#include "kernels/expert_wgrad.cuh"
 
 namespace epflow {
 namespace {

@@ -1,7 +1,7 @@
-# EPFlow from PyTorch on the GPU (issue [G]): forward and gradients against a pure-PyTorch
+# EPFlow from PyTorch on the GPU: forward and gradients against a pure-PyTorch
 # reference MoE at EP=1 (and EP=2 through torchrun when two GPUs are present), torch.compile, CUDA
 # graphs (forward, and a compiled training step), the inference op's NotImplementedError, the
-# refusal of a stale context, and NaN/Inf through the backward (issue [H]). Skipped,
+# refusal of a stale context, and NaN/Inf through the backward. Skipped,
 # with a message, where there is no CUDA device.
 import os
 import shutil
@@ -206,7 +206,7 @@ def test_training_step_under_torch_compile(layer):
 
 
 def test_nan_and_inf_stay_in_their_tokens_through_backward(layer):
-    # Issue [H]: a NaN and an Inf in x reach only their own tokens' y, dx and d topk_weights, and
+    # A NaN and an Inf in x reach only their own tokens' y, dx and d topk_weights, and
     # the weight gradients of the experts those tokens went to (as in the reference: every row
     # of the expert GEMMs is its own); everything else is what the clean run computes, bitwise.
     T = 64

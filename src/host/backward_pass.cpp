@@ -1,0 +1,96 @@
+#include <cuda_runtime.h>
+
+#include "common/status_util.h"
+#include "common/tile.h"
+#include "host/fused_passes.h"
+#include "host/pass_hooks.h"
+#include "host/saved_activations.h"
+#include "host/workspace.h"
+#include "kernels/expert_wgrad.cuh"
+
+namespace epflow {
+
+namespace {
+
+// d topk_weights of every routed row from the megakernel's partial sums, into the owners' windows.
+Status push_router_weight_grads(const Workspace& ws, const SavedActivations& acts,
+                                cudaStream_t stream) {
+  const LayerConfig& c = ws.config;
+  kernels::RouterWeightGradArgs rw;
+  rw.peers = ws.peers;
+  rw.d_weights_offset = ws.layout.d_weights;
+  rw.table = acts.schedule.table;
+  rw.seg_offset = acts.schedule.seg_offset;
+  rw.experts = c.experts_per_rank();
+  rw.dw_partial = ws.backward.dw_partial;
+  rw.n_tiles = kernels::backward_dh_tiles(c.intermediate);
+  rw.max_rows = ws.max_rows;
+  EPFLOW_CUDA_RETURN(kernels::launch_router_weight_grad(rw, stream));
+  return Status::ok_status();
+}
+
+}  // namespace
+
+Status weight_gradients(const Workspace& ws, const SavedActivations& acts,
+                        const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream,
+                        cudaEvent_t x_rows_in) {
+  const int64_t H = ws.config.hidden, I = ws.config.intermediate;
+  const BackwardRows& b = ws.backward;
+  kernels::ExpertWgradArgs wg;
+  wg.segments = kernels::ExpertSegments{ws.config.experts_per_rank(), ws.max_rows,
+                                        acts.schedule.seg_offset, acts.schedule.expert_rows};
+  wg.fp32_out = args.grad_dtype == GradDType::kFP32;
+  wg.accumulate = args.accumulate_weight_grads;
+  wg.max_ctas = max_ctas;
+  auto wgrad = [&](const __nv_bfloat16* lhs, int64_t m, int64_t lhs_ld, const __nv_bfloat16* rhs,
+                   int64_t n, void* dw) {
+    wg.lhs = lhs;
+    wg.m = m;
+    wg.lhs_ld = lhs_ld;
+    wg.rhs = rhs;
+    wg.n = n;
+    wg.dw = dw;
+    return kernels::launch_expert_wgrad(wg, stream);
+  };
+  EPFLOW_CUDA_RETURN(wgrad(b.ring.x, H, H, b.wh, I, args.d_down));
+  if (x_rows_in) EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, x_rows_in, 0));
+  EPFLOW_CUDA_RETURN(wgrad(b.ring.h, I, 2 * I, b.x, H, args.d_gate));
+  EPFLOW_CUDA_RETURN(wgrad(b.ring.h + I, I, 2 * I, b.x, H, args.d_up));
+  return Status::ok_status();
+}
+
+// Weight gradients after the megakernel and before the barrier (which waits for the slowest
+// rank's pushes): a rank whose megakernel ended first computes them meanwhile.
+std::vector<const char*> FusedBackward::stage_names() const {
+  return {"megakernel (dy, x pull; dhp + SwiGLU bwd; dx push)", "d topk_weights",
+          "weight gradients"};
+}
+
+Status FusedBackward::run(Workspace& ws, const SavedActivations& acts,
+                          const ExpertWeights& weights, const BackwardArgs& args,
+                          cudaStream_t stream, PassHooks* hooks) {
+  const BackwardRows& b = ws.backward;
+  EPFLOW_CUDA_RETURN(cudaMemsetAsync(b.ring.counters, 0, b.ring.counter_bytes, stream));
+  kernels::MegakernelArgs m = megakernel_args(ws, acts, weights, hooks, stream);
+  m.x_offset = ws.layout.dy;
+  m.ring_tiles = static_cast<int32_t>(b.ring.rows / kTileRows);
+  m.ring_x = b.ring.x;
+  m.ring_h = b.ring.h;
+  m.counters = b.ring.counters;
+  m.comm_ctas = comm_sms_;
+  m.gate_up_in = acts.gate_up;
+  m.weights_offset = ws.layout.topk_weights;
+  m.wh_out = b.wh;
+  m.dw_partial = b.dw_partial;
+  m.x_pull_offset = ws.layout.x;
+  m.x_out = b.x;
+  EPFLOW_CUDA_RETURN(kernels::launch_backward_megakernel(m, ws.sm_count, stream));
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+  EPFLOW_RETURN_IF_ERROR(push_router_weight_grads(ws, acts, stream));
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+  EPFLOW_RETURN_IF_ERROR(weight_gradients(ws, acts, args, 0, stream, nullptr));
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+  return Status::ok_status();
+}
+
+}  // namespace epflow

@@ -1,0 +1,204 @@
+#include "host/layer_core.h"
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "common/status_util.h"
+#include "epflow/communicator.h"
+#include "host/fused_passes.h"
+
+namespace epflow {
+
+Status LayerCore::create(const LayerConfig& config, ncclComm_t comm,
+                         std::unique_ptr<LayerCore>* out) {
+  if (out == nullptr) return invalid_argument("output pointer is null");
+  EPFLOW_RETURN_IF_ERROR(validate(config));
+  if (config.dtype != DType::kBF16)
+    return error_status(StatusCode::kNotImplemented, "dtype ", to_string(config.dtype),
+                        " is not implemented yet: only bf16");
+  EPFLOW_RETURN_IF_ERROR(check_nccl_version());
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  if (err != cudaSuccess || devices == 0)
+    return error_status(StatusCode::kNoDevice, "no CUDA device found (",
+                        err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")");
+  if (comm == nullptr) return invalid_argument("communicator is null");
+  int comm_size = 0, comm_rank = 0;
+  if (ncclCommCount(comm, &comm_size) != ncclSuccess ||
+      ncclCommUserRank(comm, &comm_rank) != ncclSuccess)
+    return error_status(StatusCode::kNcclError, "could not query the communicator's size and rank");
+  if (comm_size != config.ep_size || comm_rank != config.ep_rank)
+    return invalid_argument("communicator is rank ", comm_rank, " of ", comm_size,
+                            " but config says ep_rank ", config.ep_rank, " of ep_size ",
+                            config.ep_size);
+  std::unique_ptr<LayerCore> core(new LayerCore());
+  EPFLOW_RETURN_IF_ERROR(Workspace::create(config, comm, &core->ws_));
+  EPFLOW_RETURN_IF_ERROR(SavedActivations::create(*core->ws_, &core->acts_));
+  core->forward_ = std::make_unique<FusedForward>();
+  core->backward_ = std::make_unique<FusedBackward>(core->ws_->plan.backward_comm_sms);
+  *out = std::move(core);
+  return Status::ok_status();
+}
+
+LayerCore::~LayerCore() {
+  // After a timed-out wait the CUDA context is dead: leave its memory alone (the process must
+  // exit); the workspace keeps its own.
+  if (ws_ && !ws_->device_failure().ok()) {
+    (void)acts_.release();
+    (void)forward_.release();
+    (void)backward_.release();
+  }
+}
+
+std::vector<const char*> LayerCore::forward_stage_names() {
+  return {"metadata+schedule", "dispatch", "expert FFN", "combine+sum"};
+}
+
+std::vector<const char*> LayerCore::backward_stage_names() const {
+  std::vector<const char*> names{"inputs+barrier"};
+  for (const char* n : backward_->stage_names()) names.push_back(n);
+  names.push_back("barrier+sum");
+  return names;
+}
+
+void LayerCore::set_forward_executor(std::unique_ptr<ForwardExecutor> executor) {
+  forward_ = std::move(executor);
+  kept_generation_ = 0;  // what the last forward kept may not be what the new one would
+}
+
+void LayerCore::set_backward_executor(std::unique_ptr<BackwardExecutor> executor) {
+  backward_ = std::move(executor);
+}
+
+Status LayerCore::set_backward_comm_sms(int32_t comm_sms) {
+  if (comm_sms < 1 || comm_sms >= ws_->sm_count)
+    return invalid_argument("backward communication SMs (", comm_sms, ") must be in [1, ",
+                            ws_->sm_count, ")");
+  backward_ = std::make_unique<FusedBackward>(comm_sms);
+  return Status::ok_status();
+}
+
+MemoryReport LayerCore::memory() const {
+  MemoryReport m = ws_->memory;
+  m.schedule_bytes += acts_->schedule_bytes;
+  m.saved_bytes = acts_->gate_up_bytes;
+  return m;
+}
+
+Status LayerCore::with_device_failure(Status s) const {
+  if (s.ok()) return s;
+  const Status why = ws_->device_failure();
+  return why.ok() ? s : error_status(why.code(), s.message(), ": ", why.message());
+}
+
+// A wait of an earlier call that timed out trapped its kernel (the CUDA context is gone); say
+// where, from host-mapped memory, without touching the device.
+Status LayerCore::earlier_failure() const {
+  const Status why = ws_->device_failure();
+  if (why.ok()) return why;
+  return error_status(StatusCode::kTimeout, "an earlier call failed on the device: ",
+                      why.message());
+}
+
+Status LayerCore::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
+                          PassHooks* hooks) {
+  EPFLOW_RETURN_IF_ERROR(validate(config(), args));
+  if (saved && !config().with_backward)
+    return invalid_argument("forward() with a SavedContext needs a layer created with "
+                            "LayerConfig::with_backward (it keeps g | u for the backward)");
+  EPFLOW_RETURN_IF_ERROR(with_device_failure(run_forward(args, stream, saved, hooks)));
+  return ws_->routing_report();
+}
+
+Status LayerCore::backward(const BackwardArgs& args, const SavedContext& saved,
+                           cudaStream_t stream, PassHooks* hooks) {
+  EPFLOW_RETURN_IF_ERROR(validate(config(), saved, args));
+  if (saved.generation != generation_)
+    return invalid_argument("saved context of forward call ", saved.generation,
+                            " is stale: forward has run since (call ", generation_, ")");
+  if (kept_generation_ != saved.generation)
+    return error_status(StatusCode::kNotImplemented,
+                        "the forward of this context did not keep what the backward reads (its "
+                        "executor keeps no gate/up pre-activations)");
+  EPFLOW_RETURN_IF_ERROR(with_device_failure(run_backward(args, saved, stream, hooks)));
+  return ws_->routing_report();
+}
+
+// Stages: this rank's tokens and expert ids into its window, the barrier that publishes them and
+// gathers every rank's T, the schedule of this rank's experts | the executor (dispatch, expert
+// FFN) | the barrier and the weighted sum.
+Status LayerCore::run_forward(const ForwardArgs& a, cudaStream_t stream, SavedContext* saved,
+                              PassHooks* hooks) {
+  const LayerConfig& c = config();
+  const int64_t T = a.num_tokens;
+  EPFLOW_RETURN_IF_ERROR(earlier_failure());
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+  char* mine = ws_->local_window();
+  if (T > 0) {
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + ws_->layout.x, a.x,
+                                       sizeof(__nv_bfloat16) * T * c.hidden,
+                                       cudaMemcpyDeviceToDevice, stream));
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + ws_->layout.topk_idx, a.topk_idx,
+                                       sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                       stream));
+  }
+  EPFLOW_RETURN_IF_ERROR(ws_->publish_barrier(T, stream));
+  EPFLOW_RETURN_IF_ERROR(acts_->build_schedule(*ws_, stream));
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+  EPFLOW_RETURN_IF_ERROR(forward_->run(*ws_, *acts_, a.weights, saved != nullptr, stream, hooks));
+  EPFLOW_RETURN_IF_ERROR(
+      ws_->barrier_and_sum(T, a.topk_idx, a.topk_weights, true, a.y, stream));
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+
+  ++generation_;
+  if (saved) {
+    *saved = SavedContext{};
+    saved->generation = generation_;
+    saved->num_tokens = T;
+    saved->x = a.x;
+    saved->topk_idx = a.topk_idx;
+    saved->topk_weights = a.topk_weights;
+    saved->weights = a.weights;
+    kept_generation_ = generation_;
+  }
+  return Status::ok_status();
+}
+
+// Stages: the router weights and dy into this rank's window and the barrier that publishes them
+// | the executor's | the barrier and each owner's sum of its dx rows over k. The forward's
+// schedule is still the layer's (no forward ran since: the generation check), and peers' windows
+// still hold that forward's x (a peer's next forward overwrites it only after this backward's
+// last barrier, which follows every pull).
+Status LayerCore::run_backward(const BackwardArgs& a, const SavedContext& saved,
+                               cudaStream_t stream, PassHooks* hooks) {
+  const LayerConfig& c = config();
+  const int64_t T = saved.num_tokens;
+  EPFLOW_RETURN_IF_ERROR(earlier_failure());
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+  char* mine = ws_->local_window();
+  const kernels::WindowLayout& l = ws_->layout;
+  if (T > 0) {
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + l.topk_weights, saved.topk_weights,
+                                       sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                       stream));
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + l.dy, a.dy, sizeof(__nv_bfloat16) * T * c.hidden,
+                                       cudaMemcpyDeviceToDevice, stream));
+    // The d topk_weights slots the experts' GPUs write; empty slots stay 0.
+    EPFLOW_CUDA_RETURN(cudaMemsetAsync(mine + l.d_weights, 0, sizeof(float) * T * c.top_k, stream));
+  }
+  EPFLOW_RETURN_IF_ERROR(ws_->publish_barrier(T, stream));
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+  EPFLOW_RETURN_IF_ERROR(backward_->run(*ws_, *acts_, saved.weights, a, stream, hooks));
+  // Unweighted sums (the dx rows arrive weighted), and no routing check: the forward of this
+  // context checked the same ids.
+  EPFLOW_RETURN_IF_ERROR(ws_->barrier_and_sum(T, saved.topk_idx, nullptr, false, a.dx, stream));
+  if (T > 0)
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(a.d_topk_weights, mine + l.d_weights,
+                                       sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
+                                       stream));
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
+  return Status::ok_status();
+}
+
+}  // namespace epflow

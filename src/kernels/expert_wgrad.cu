@@ -1,0 +1,215 @@
+// Weight-gradient GEMM of the expert FFN's backward (expert_ffn.cuh, ExpertWgradArgs): one
+// output tile (128 rows of dw[e] x 256 columns) per task, its K the expert's rows. Both operands
+// come from row-major activations whose rows are the reduction: A = lhsᵀ is M-major, B = rhs is
+// N-major, each loaded as boxes of 64 columns x 64 rows (grouped_gemm.cuh's consume_tile with
+// RowsMajor::kM and WeightMajor::kN). Tiles are walked statically, m fastest (the CTAs running
+// at once share the expert's rhs rows through L2).
+#include "kernels/expert_wgrad.cuh"
+#include "kernels/grouped_gemm.cuh"
+
+namespace epflow::kernels {
+
+namespace {
+
+using gemm::Epilogue;
+using gemm::kBlockK;
+
+constexpr int kStages = 3;  // 3 x 48 KB of tiles + 64 KB of output staging: 208 KB of 227
+using Smem = gemm::SharedStorage<Epilogue::kStore, kStages>;
+
+struct WgradParams {
+  const int64_t* seg_offset;
+  const int32_t* expert_rows;  // optional: K ends at the first 64-row block past the real rows
+  int32_t experts, m_tiles, n_tiles;
+  // WgradDirectSink's output.
+  void* dw;
+  int64_t m, n;
+  bool fp32_out, accumulate;
+};
+
+// bf16, overwritten: the staged output goes to dw[e] as TMA stores (a 3-D map: a tile past m or
+// n is clipped at the expert).
+struct WgradStoreSink : gemm::DirectStoreSink<Epilogue::kStore> {
+  __device__ void publish(int wg, int tid, const uint8_t* staging, const gemm::TileCoord& c) {
+    if (tid != 0) return;
+#pragma unroll
+    for (int box = 0; box < kTileCols / 64; ++box)
+      ptx::tma_store_3d(map_out, staging + box * 64 * 128, c.n_tile * kTileCols + box * 64,
+                        c.m_tile * kTileRows + wg * 64, c.expert);
+    ptx::tma_store_commit();
+  }
+};
+
+// fp32, or added to dw: each thread writes (or reads, adds and writes) its accumulator pairs
+// straight from registers; every element has one writer, so accumulation is deterministic.
+struct WgradDirectSink {
+  static constexpr bool kDirect = true;
+  const WgradParams* p;
+  int64_t row_base[2];  // element index of the thread's two rows at this n tile; -1: past m
+  int32_t cols = 0;     // columns of this n tile inside n
+  int32_t q = 0;
+  __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int wg, int tid) {
+    const int warp = tid / 32, g = tid % 32 / 4;
+    q = tid % 4;
+    cols = static_cast<int32_t>(p->n - int64_t{c.n_tile} * kTileCols);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = int64_t{c.m_tile} * kTileRows + wg * 64 + warp * 16 + g + 8 * half;
+      row_base[half] =
+          row < p->m ? (c.expert * p->m + row) * p->n + int64_t{c.n_tile} * kTileCols : -1;
+    }
+  }
+  __device__ __forceinline__ void begin(int, int) {}
+  __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
+    const int col = 8 * j + 2 * q;  // even, and n is a multiple of 64: col + 1 < cols too
+    if (row_base[half] < 0 || col >= cols) return;
+    const int64_t at = row_base[half] + col;
+    if (p->fp32_out) {
+      auto* dst = reinterpret_cast<float2*>(static_cast<float*>(p->dw) + at);
+      if (p->accumulate) {
+        const float2 old = *dst;
+        v0 += old.x;
+        v1 += old.y;
+      }
+      *dst = make_float2(v0, v1);
+    } else {
+      auto* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p->dw) + at);
+      if (p->accumulate) {
+        const float2 old = __bfloat1622float2(*dst);
+        v0 += old.x;
+        v1 += old.y;
+      }
+      *dst = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+  __device__ __forceinline__ void skip(int, int) {}
+};
+
+__device__ __forceinline__ gemm::TileCoord wgrad_tile(const WgradParams& p, int64_t t) {
+  const int64_t per_expert = int64_t{p.m_tiles} * p.n_tiles;
+  gemm::TileCoord c;
+  c.expert = static_cast<int32_t>(t / per_expert);
+  const int32_t in_expert = static_cast<int32_t>(t % per_expert);
+  c.m_tile = in_expert % p.m_tiles;
+  c.n_tile = in_expert / p.m_tiles;
+  c.rows = kTileRows;  // every row of dw's tile is real (stores past m are clipped)
+  c.a_row = static_cast<int32_t>(p.seg_offset[c.expert]);  // the expert's first row: K origin
+  return c;
+}
+
+template <class Sink>
+__global__ void __launch_bounds__(gemm::kThreads, 1)
+    expert_wgrad_kernel(const __grid_constant__ CUtensorMap map_lhs,
+                        const __grid_constant__ CUtensorMap map_rhs,
+                        const __grid_constant__ CUtensorMap map_dw, const WgradParams p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    gemm::init_stage_barriers(s);
+    ptx::prefetch_tensor_map(&map_lhs);
+    ptx::prefetch_tensor_map(&map_rhs);
+    if constexpr (!Sink::kDirect) ptx::prefetch_tensor_map(&map_dw);  // else never encoded
+  }
+  __syncthreads();
+  const int64_t tiles = int64_t{p.experts} * p.m_tiles * p.n_tiles;
+  gemm::PipelineState<kStages> ps;
+  // NOTES: at 512 tokens/rank an expert has ~128 rows, padded to 128 or 256: the padding's
+  // k-blocks would be a third of the loads and MMAs. Past the real rows only the k-block they end
+  // in is read (its padding rows are zero).
+  auto k_blocks_of = [&](const gemm::TileCoord& c) {
+    const int64_t k = p.expert_rows ? p.expert_rows[c.expert]
+                                    : p.seg_offset[c.expert + 1] - p.seg_offset[c.expert];
+    return static_cast<int32_t>((k + kBlockK - 1) / kBlockK);
+  };
+  if (wg == 0) {
+    ptx::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    constexpr uint32_t kBytes = (kTileRows + kTileCols) * kBlockK * 2;
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const gemm::TileCoord c = wgrad_tile(p, t);
+      const int32_t k_blocks = k_blocks_of(c);
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
+        ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
+        uint64_t* full = &s.full[ps.stage];
+        ptx::mbarrier_arrive_expect_tx(full, kBytes);
+        const int32_t row = c.a_row + kb * kBlockK;
+#pragma unroll
+        for (int box = 0; box < kTileRows / 64; ++box)
+          ptx::tma_load_2d(s.a[ps.stage] + box * 64 * kBlockK * 2, &map_lhs,
+                           c.m_tile * kTileRows + box * 64, row, full);
+#pragma unroll
+        for (int box = 0; box < kTileCols / 64; ++box)
+          ptx::tma_load_2d(s.b[ps.stage] + box * 64 * kBlockK * 2, &map_rhs,
+                           c.n_tile * kTileCols + box * 64, row, full);
+      }
+    }
+  } else {
+    ptx::warpgroup_reg_alloc<232>();
+    Sink sink;
+    if constexpr (Sink::kDirect)
+      sink.p = &p;
+    else
+      sink.map_out = &map_dw;
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const gemm::TileCoord c = wgrad_tile(p, t);
+      gemm::consume_tile<Epilogue::kStore, kStages, gemm::kStagingBytes<Epilogue::kStore>,
+                         Sink, gemm::WeightMajor::kN, gemm::RowsMajor::kM>(
+          s, ps, c, k_blocks_of(c), wg - 1, sink);
+    }
+    if constexpr (!Sink::kDirect)
+      if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
+  const int64_t lhs_ld = a.lhs_ld == 0 ? a.m : a.lhs_ld, rhs_ld = a.rhs_ld == 0 ? a.n : a.rhs_ld;
+  const ExpertSegments& seg = a.segments;
+  if (!seg.valid() || a.m <= 0 || a.m % 64 != 0 || a.n <= 0 || a.n % 64 != 0 || lhs_ld < a.m ||
+      lhs_ld % 8 != 0 || rhs_ld < a.n || rhs_ld % 8 != 0)
+    return cudaErrorInvalidValue;
+  if (seg.experts == 0) return cudaSuccess;  // (no rows at all still writes zero gradients)
+  if (!seg.seg_offset || !a.lhs || !a.rhs || !a.dw) return cudaErrorInvalidValue;
+  int32_t sm_count = 0;
+  if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
+  if (a.max_ctas > 0 && a.max_ctas < sm_count) sm_count = a.max_ctas;
+  // lhs and rhs as [max_rows, m | n] with their row strides, in boxes of 64 columns x 64 rows;
+  // dw as [E, m, n] in boxes of 64 x 64 (the staging's layout; bf16 overwrite only). A max_rows
+  // of 0 still maps one (never read) row.
+  const uint64_t rows = seg.max_rows > 0 ? seg.max_rows : 1;
+  const uint64_t lhs_dims[2] = {uint64_t(a.m), rows}, rhs_dims[2] = {uint64_t(a.n), rows};
+  const uint64_t lhs_strides[1] = {uint64_t(lhs_ld) * 2}, rhs_strides[1] = {uint64_t(rhs_ld) * 2};
+  const uint64_t dw_dims[3] = {uint64_t(a.n), uint64_t(a.m), uint64_t(seg.experts)};
+  const uint32_t box2[2] = {64, kBlockK}, box3[3] = {64, 64, 1};
+  const bool staged = !a.fp32_out && !a.accumulate;
+  CUtensorMap map_lhs, map_rhs, map_dw = {};
+  if (!encode_bf16_tensor_map(&map_lhs, a.lhs, 2, lhs_dims, box2, lhs_strides).ok() ||
+      !encode_bf16_tensor_map(&map_rhs, a.rhs, 2, rhs_dims, box2, rhs_strides).ok() ||
+      (staged && !encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, box3).ok()))
+    return cudaErrorInvalidValue;
+  WgradParams p;
+  p.seg_offset = seg.seg_offset;
+  p.expert_rows = seg.expert_rows;
+  p.experts = seg.experts;
+  p.dw = a.dw;
+  p.m = a.m;
+  p.n = a.n;
+  p.fp32_out = a.fp32_out;
+  p.accumulate = a.accumulate;
+  p.m_tiles = static_cast<int32_t>((a.m + kTileRows - 1) / kTileRows);
+  p.n_tiles = static_cast<int32_t>((a.n + kTileCols - 1) / kTileCols);
+  const int64_t tiles = int64_t{seg.experts} * p.m_tiles * p.n_tiles;
+  const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
+  constexpr size_t smem = sizeof(Smem) + 1024;  // + alignment slack
+  auto* kernel = staged ? expert_wgrad_kernel<WgradStoreSink> : expert_wgrad_kernel<WgradDirectSink>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      e != cudaSuccess)
+    return e;
+  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_lhs, map_rhs, map_dw, p);
+  return cudaGetLastError();
+}
+
+}  // namespace epflow::kernels
