@@ -10,12 +10,14 @@
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -25,203 +27,33 @@
 #include "baselines/nccl_cublas_moe.h"
 #include "bench_check.h"
 #include "bench_inputs.h"
+#include "bench_options.h"
 #include "epflow/communicator.h"
 #include "epflow/epflow.h"
-#include "host/layer_internals.h"
+#include "host/layer_core.h"
 #include "common/status_util.h"
 #include "presets.h"
 #include "rooflines.h"
 #include "epflow/reference.h"
 #include "reference/synthetic.h"
+#include "unfused/unfused_executors.h"
 
 namespace {
 
 using namespace epflow;
 
-constexpr const char* kNcclCublas = "nccl-cublas";
-constexpr const char* kUnfused = "epflow-unfused";  // issue [B]'s chain of separate kernels
-constexpr const char* kSweep = "epflow-sweep";      // EPFlow with --comm-sms / --minibatch-rows
+using bench::kNcclCublas;
+using bench::kUnfused;
+using bench::Options;
+using bench::yardstick_mode;
+
+constexpr const char* kSweep = "epflow-sweep";  // EPFlow with --comm-sms / --minibatch-rows
 constexpr double kRelTol = 2e-2;  // relative-norm tolerance of every output check
-
-struct Options {
-  std::vector<std::string> presets;  // empty: deepseek-v3 on GPUs, tiny on the CPU reference
-  std::vector<int64_t> tokens;       // per rank; empty: 4096 on GPUs, 64 on the CPU reference
-  int32_t ep = 0;                    // ranks; 0: every GPU present (2 simulated on the CPU)
-  // NOTES: 100 untimed calls before the timed ones, for every system and yardstick: at 8192
-  // tokens/rank that is ~1 s, past the ~0.5 s in which the 700 W power limiter still lets a busy
-  // GPU run above its sustained clock. With 5, a short cuBLAS yardstick ran in that burst while
-  // the layer did not (713 against 682 TFLOP/s sustained; docs/benchmarks.md, "Sustained power
-  // state"): each is timed in the state a training loop keeps it in.
-  int32_t warmup = 100;
-  int32_t iters = 20;
-  // Each point's whole sequence (EPFlow and its variants, baselines, yardsticks) runs this many
-  // times; every reported time and rate is the median over the repeats (each the median of its
-  // iterations), so one run's power history moves the figures less.
-  int32_t repeats = 1;
-  uint64_t seed = 1;
-  std::string json;                                    // write results here as JSON
-  std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
-  bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
-  // Also time EPFlow's backward (default knobs): after one forward that saves its context, the
-  // backward alone, with dy = x and the weight gradients written in grad_dtype (bf16 by
-  // default: what the NCCL+PyTorch baseline's autograd writes for bf16 weights).
-  bool backward = false;
-  GradDType grad_dtype = GradDType::kBF16;
-  // --backward-unfused: the unfused backward too (separate kernels; its stages).
-  bool backward_unfused = false;
-  // --backward-side-sms: the unfused backward again with each of these side-stream SM counts.
-  std::vector<int64_t> backward_side_sms;
-  // --backward-comm-sms: the backward megakernel again with each of these communication SMs.
-  std::vector<int64_t> backward_comm_sms;
-  // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
-  std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
-  std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
-  // How the yardsticks run: on every GPU at once after the systems, one GPU after the other, or
-  // (dense GEMMs) between the layer's own calls.
-  enum class Yardstick { kAtOnce, kOneByOne, kInterleaved } yardstick = Yardstick::kAtOnce;
-};
-
-// A yardstick mode's name (JSON, --yardstick) and how the printout words it.
-struct YardstickMode {
-  const char* name;
-  const char* words;
-};
-YardstickMode yardstick_mode(Options::Yardstick y) {
-  switch (y) {
-    case Options::Yardstick::kOneByOne: return {"one-by-one", "one GPU after the other"};
-    case Options::Yardstick::kInterleaved:
-      return {"interleaved", "dense GEMMs between the layer's calls, copy at once"};
-    default: return {"at-once", "all GPUs at once"};
-  }
-}
-
-void usage() {
-  std::printf(
-      "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
-      "                    [--warmup N] [--repeats N] [--seed S] [--json PATH] [--baselines LIST]\n"
-      "                    [--check] [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
-      "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
-      "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
-      "                    [--grad-dtype bf16|fp32] [--backward-unfused]\n"
-      "                    [--backward-side-sms N[,N...]] [--backward-comm-sms N[,N...]]\n"
-      "  --warmup N   untimed calls before the timed ones, for every system and yardstick\n"
-      "               (default 100: the sustained power state at large sizes)\n"
-      "  --repeats N  run each point's whole sequence (systems, yardsticks) N times and\n"
-      "               report the medians over the repeats (default 1)\n"
-      "  --backward   also time EPFlow's backward and its stages (dy = x, weight gradients\n"
-      "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"
-      "  --backward-unfused  also time the unfused backward (separate kernels) and its stages\n"
-      "  --backward-side-sms N[,N...]  also time the unfused backward with N SMs for its side\n"
-      "               stream (x pull, dx push beside the GEMMs; 0: none, all in order)\n"
-      "  --backward-comm-sms N[,N...]  also time the backward megakernel with N communication\n"
-      "               SMs\n"
-      "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
-      "               epflow-unfused (issue [B]'s separate kernels) by default, or none\n"
-      "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"
-      "               of these knobs (system epflow-sweep; 0 = the automatic default)\n"
-      "  --trace PREFIX  write EPFlow's megakernel tasks of the last timed call, per rank, to\n"
-      "               PREFIX-<preset>-<tokens>-rank<r>.csv (bench/trace_summary.py reads them;\n"
-      "               with --backward, the backward pass's too: ...-rank<r>-bwd.csv)\n"
-      "  --yardstick  cuBLAS dense and HBM copy yardsticks on every GPU at once, as the layer\n"
-      "               runs (default), or one GPU after the other with the others idle, or\n"
-      "               interleaved: the dense GEMMs timed between EPFlow's own timed calls (the\n"
-      "               same clocks and power history; the copy still at once afterwards)\n"
-      "  --check      compare EPFlow's and the baselines' outputs with the CPU reference on a\n"
-      "               small shape (default: preset tiny, 64 tokens, EP 2 if 2 GPUs, else 1);\n"
-      "               exit 1 on a mismatch\n"
-      "  presets:");
-  for (const auto& p : bench::presets()) std::printf(" %s", p.name.c_str());
-  std::printf("\n");
-}
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
-bool parse(int argc, char** argv, Options* o) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--check") {
-      o->check = true;
-      continue;
-    }
-    if (a == "--backward") {
-      o->backward = true;
-      continue;
-    }
-    if (a == "--backward-unfused") {
-      o->backward_unfused = true;
-      continue;
-    }
-    if (i + 1 >= argc) return false;
-    const std::string v = argv[++i];
-    if (a == "--preset") {
-      o->presets = split(v);
-    } else if (a == "--tokens") {
-      for (const auto& t : split(v)) o->tokens.push_back(std::atoll(t.c_str()));
-    } else if (a == "--ep") {
-      o->ep = std::atoi(v.c_str());
-    } else if (a == "--iters") {
-      o->iters = std::atoi(v.c_str());
-    } else if (a == "--warmup") {
-      o->warmup = std::atoi(v.c_str());
-    } else if (a == "--repeats") {
-      o->repeats = std::atoi(v.c_str());
-    } else if (a == "--seed") {
-      o->seed = std::strtoull(v.c_str(), nullptr, 10);
-    } else if (a == "--json") {
-      o->json = v;
-    } else if (a == "--baselines") {
-      o->baselines = split(v);
-      if (o->baselines == std::vector<std::string>{"none"}) {
-        o->baselines.clear();
-      } else if (o->baselines.empty() ||
-                 std::any_of(o->baselines.begin(), o->baselines.end(), [](const std::string& b) {
-                   return b != kNcclCublas && b != kUnfused;
-                 })) {
-        return false;
-      }
-    } else if (a == "--backward-side-sms") {
-      for (const auto& t : split(v)) o->backward_side_sms.push_back(std::atoll(t.c_str()));
-    } else if (a == "--backward-comm-sms") {
-      for (const auto& t : split(v)) o->backward_comm_sms.push_back(std::atoll(t.c_str()));
-    } else if (a == "--grad-dtype") {
-      if (v != "bf16" && v != "fp32") return false;
-      o->grad_dtype = v == "bf16" ? GradDType::kBF16 : GradDType::kFP32;
-    } else if (a == "--trace") {
-      o->trace = v;
-    } else if (a == "--yardstick") {
-      if (v == "at-once")
-        o->yardstick = Options::Yardstick::kAtOnce;
-      else if (v == "one-by-one")
-        o->yardstick = Options::Yardstick::kOneByOne;
-      else if (v == "interleaved")
-        o->yardstick = Options::Yardstick::kInterleaved;
-      else
-        return false;
-    } else if (a == "--comm-sms" || a == "--minibatch-rows" || a == "--ring-rows") {
-      auto& list = a == "--comm-sms"         ? o->sweep_comm_sms
-                   : a == "--minibatch-rows" ? o->sweep_minibatch_rows
-                                             : o->sweep_ring_rows;
-      for (const auto& t : split(v)) list.push_back(std::atoll(t.c_str()));
-    } else {
-      return false;
-    }
-  }
-  return o->iters > 0 && o->warmup >= 0 && o->repeats >= 1 && o->repeats <= 9;
-}
 
 // The CPU reference on simulated ranks: proves the math end to end and times it (CPU timing).
 int run_cpu_reference(const Options& o, const char* why) {
+  // parse_options accepts known preset names only.
   const bench::Preset* p = bench::find_preset(o.presets.empty() ? "tiny" : o.presets[0]);
-  if (!p) {
-    usage();
-    return 2;
-  }
   const int32_t ep = o.ep > 0 ? o.ep : 2;
   const int64_t tokens = o.tokens.empty() ? 64 : o.tokens[0];
   const double macs = double(ep) * tokens * p->top_k * 3.0 * p->hidden * p->intermediate;
@@ -280,7 +112,7 @@ int run_cpu_reference(const Options& o, const char* why) {
     std::printf("%-6d %-8lld %14.6f %14.6f %14.6f\n", r,
                 static_cast<long long>(inputs[r].num_tokens), norm(y[r]), norm(grads[r].dx),
                 norm(grads[r].d_down));
-  const double flops = forward_flops(c, routed);
+  const double flops = bench::forward_flops(c, routed);
   std::printf(
       "CPU reference: forward %.3f s (%.2f GFLOP/s), backward %.3f s (%.2f GFLOP/s); "
       "CPU timings, not a GPU benchmark\n",
@@ -294,6 +126,8 @@ constexpr int kStages = 4;
 const char* const kStageNames[kStages] = {"metadata+schedule", "dispatch", "expert FFN",
                                           "combine+sum"};
 static_assert(bench::NcclCublasMoe::kStages == kStages, "the baseline reports the same stages");
+// The most stages a backward reports (LayerCore::backward_stage_names: the unfused executor's).
+constexpr int kMaxBackwardStages = 7;
 
 struct RankResult {
   runtime::LayerPlan plan;  // EPFlow's resolved knobs (SM split, minibatch, ring)
@@ -488,16 +322,59 @@ class IterationEvents {
 };
 using ForwardEvents = IterationEvents<kStages>;
 
+// The benchmark's instrumentation of a pass (PassHooks): an event at every stage boundary, into
+// the marks of the current iteration; with tracing on, the buffer the megakernel records its
+// tasks in (the last launch's records stay there).
+class BenchHooks final : public PassHooks {
+ public:
+  ~BenchHooks() override {
+    if (trace_) cudaFree(trace_);
+  }
+  Status enable_trace(int32_t sm_count) {
+    bytes_ = sizeof(kernels::MegakernelTraceRecord) * kernels::kTraceRecordsPerCta * sm_count;
+    return cuda_status(cudaMalloc(&trace_, bytes_), "cudaMalloc (trace)");
+  }
+  // The stage events of the next pass: marks[0 .. stages].
+  void set_marks(const cudaEvent_t* marks) {
+    marks_ = marks;
+    next_ = 0;
+  }
+  cudaError_t stage_boundary(cudaStream_t stream) override {
+    return marks_ ? cudaEventRecord(marks_[next_++], stream) : cudaSuccess;
+  }
+  kernels::MegakernelTraceRecord* megakernel_trace(cudaStream_t stream) override {
+    if (!trace_) return nullptr;
+    // task -1: an unused record
+    return cudaMemsetAsync(trace_, 0xff, bytes_, stream) == cudaSuccess ? trace_ : nullptr;
+  }
+  // The last launch's records (device sync).
+  Status fetch_trace(std::vector<kernels::MegakernelTraceRecord>* out) const {
+    out->clear();
+    std::vector<kernels::MegakernelTraceRecord> all(bytes_ / sizeof(kernels::MegakernelTraceRecord));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaDeviceSynchronize(), "trace sync"));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(
+        cudaMemcpy(all.data(), trace_, bytes_, cudaMemcpyDeviceToHost), "cudaMemcpy (trace)"));
+    for (const auto& r : all)
+      if (r.task >= 0) out->push_back(r);
+    return Status::ok_status();
+  }
+
+ private:
+  const cudaEvent_t* marks_ = nullptr;
+  int next_ = 0;
+  kernels::MegakernelTraceRecord* trace_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // The megakernel's tasks of its last launch (the forward's, or with `backward` the backward
-// pass's: dispatch = its dy and x pulls, dhp and dx its GEMM tiles), one CSV line each, times
-// relative to the first.
-Status write_trace(const Layer& layer, int rank, const std::string& path, bool backward = false) {
+// pass's: dispatch = its dy and x pulls, dhp and dx its GEMM tiles; comm_ctas: its
+// communication partition), one CSV line each, times relative to the first.
+Status write_trace(const BenchHooks& hooks, int32_t comm_ctas, int rank, const std::string& path,
+                   bool backward = false) {
   std::vector<kernels::MegakernelTraceRecord> recs;
-  EPFLOW_RETURN_IF_ERROR(LayerInternals::fetch_trace(layer, &recs));
+  EPFLOW_RETURN_IF_ERROR(hooks.fetch_trace(&recs));
   uint64_t t0 = UINT64_MAX;
   for (const auto& r : recs) t0 = std::min(t0, r.taken_ns);
-  const int32_t comm_ctas = backward ? LayerInternals::backward_comm_sms(layer)
-                                     : LayerInternals::plan(layer).comm_sms;
   std::ofstream f(path);
   f << "rank,cta,partition,kind,task,taken_us,ready_us,done_us\n";
   static const char* const kKinds[2][3] = {{"dispatch", "gate_up", "down"},
@@ -515,10 +392,11 @@ Status write_trace(const Layer& layer, int rank, const std::string& path, bool b
 // out->forward_saving_us), then warmup + iters backward calls of the last one with an event at
 // each stage boundary; the medians of the timed ones in out->backward_us and
 // out->backward_stage_us.
-Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t T,
-                     const Options& o, cudaStream_t stream, RankResult* out,
+Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const LayerConfig& c,
+                     int64_t T, const Options& o, cudaStream_t stream, RankResult* out,
                      const std::string& trace_path) {
-  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, o.grad_dtype));
+  EPFLOW_RETURN_IF_ERROR(
+      data.create_grads(c, T, o.fp32_grads ? GradDType::kFP32 : GradDType::kBF16));
   out->memory = layer.memory();
   SavedContext saved;
   const int n = o.warmup + o.iters;
@@ -531,49 +409,57 @@ Status time_backward(Layer& layer, RankData& data, const LayerConfig& c, int64_t
   }
   double unused_stage = 0;
   EPFLOW_RETURN_IF_ERROR(
-      with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow forward")));
+      layer.with_device_failure(cuda_status(cudaStreamSynchronize(stream), "EPFlow forward")));
   EPFLOW_RETURN_IF_ERROR(fwd.summarize(o.warmup, &out->forward_saving_us, &unused_stage));
   // The backward of the saved context, warmup + iters times with its stage events; the medians
   // of the timed ones.
   auto run = [&](double* total_us, double* stage_us, std::vector<std::string>* names) {
-    const std::vector<const char*> stages = LayerInternals::backward_stage_names(layer);
+    const std::vector<const char*> stages = layer.backward_stage_names();
     if (names) names->assign(stages.begin(), stages.end());
     IterationEvents<kMaxBackwardStages> ev;
     EPFLOW_RETURN_IF_ERROR(ev.create(n, static_cast<int>(stages.size())));
-    for (int i = 0; i < n; ++i)
-      EPFLOW_RETURN_IF_ERROR(LayerInternals::backward_with_stage_events(
-          layer, data.grads(), saved, stream, ev.marks(i)));
+    for (int i = 0; i < n; ++i) {
+      hooks.set_marks(ev.marks(i));
+      EPFLOW_RETURN_IF_ERROR(layer.backward(data.grads(), saved, stream, &hooks));
+    }
+    hooks.set_marks(nullptr);
     EPFLOW_RETURN_IF_ERROR(
-        with_device_failure(layer, cuda_status(cudaStreamSynchronize(stream), "EPFlow backward")));
+        layer.with_device_failure(cuda_status(cudaStreamSynchronize(stream), "EPFlow backward")));
     return ev.summarize(o.warmup, total_us, stage_us);
   };
   EPFLOW_RETURN_IF_ERROR(run(&out->backward_us, out->backward_stage_us,
                              &out->backward_stage_names));
   if (!trace_path.empty())
-    EPFLOW_RETURN_IF_ERROR(write_trace(layer, c.ep_rank, trace_path, true));
-  // The backward again with each SM count of an A/B knob (then back to its default).
-  auto ab = [&](const std::vector<int64_t>& counts, Status (*set)(Layer&, int32_t),
-                int32_t (*get)(const Layer&), std::vector<double>* times) -> Status {
+    EPFLOW_RETURN_IF_ERROR(write_trace(hooks, layer.workspace().plan.backward_comm_sms,
+                                       c.ep_rank, trace_path, true));
+  // The backward again with each SM count of an A/B knob: set(count) installs the executor.
+  auto ab = [&](const std::vector<int64_t>& counts, const std::function<Status(int32_t)>& set,
+                std::vector<double>* times) -> Status {
     double total = 0, stages[kMaxBackwardStages];
-    const int32_t default_count = get(layer);
     times->clear();
     for (int64_t count : counts) {
-      EPFLOW_RETURN_IF_ERROR(set(layer, static_cast<int32_t>(count)));
+      EPFLOW_RETURN_IF_ERROR(set(static_cast<int32_t>(count)));
       EPFLOW_RETURN_IF_ERROR(run(&total, stages, nullptr));
       times->push_back(total);
     }
-    return set(layer, default_count);
+    return Status::ok_status();
   };
-  EPFLOW_RETURN_IF_ERROR(ab(o.backward_comm_sms, &LayerInternals::set_backward_comm_sms,
-                            &LayerInternals::backward_comm_sms, &out->backward_comm_us));
-  if (!o.backward_unfused && o.backward_side_sms.empty()) return Status::ok_status();
-  EPFLOW_RETURN_IF_ERROR(LayerInternals::use_unfused_backward(layer, true));
-  if (o.backward_unfused)
+  EPFLOW_RETURN_IF_ERROR(ab(
+      o.backward_comm_sms, [&](int32_t sms) { return layer.set_backward_comm_sms(sms); },
+      &out->backward_comm_us));
+  auto unfused = [&](int32_t side_sms) {
+    std::unique_ptr<bench::UnfusedBackward> executor;
+    EPFLOW_RETURN_IF_ERROR(bench::UnfusedBackward::create(layer.workspace(), side_sms, &executor));
+    layer.set_backward_executor(std::move(executor));
+    return Status::ok_status();
+  };
+  if (o.backward_unfused) {
+    EPFLOW_RETURN_IF_ERROR(unfused(bench::default_backward_side_sms(c, layer.workspace().sm_count)));
     EPFLOW_RETURN_IF_ERROR(run(&out->unfused_backward_us, out->unfused_stage_us,
                                &out->unfused_stage_names));
-  EPFLOW_RETURN_IF_ERROR(ab(o.backward_side_sms, &LayerInternals::set_backward_side_sms,
-                            &LayerInternals::backward_side_sms, &out->backward_side_us));
-  return LayerInternals::use_unfused_backward(layer, false);
+  }
+  EPFLOW_RETURN_IF_ERROR(ab(o.backward_side_sms, unfused, &out->backward_side_us));
+  return Status::ok_status();
 }
 
 // The rows of `tokens` of y [T, H] as floats, token after token.
@@ -614,11 +500,17 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   c.minibatch_rows = v.minibatch_rows;
   c.ring_rows = v.ring_rows;
   c.with_backward = with_backward;
-  std::unique_ptr<Layer> layer;
-  EPFLOW_RETURN_IF_ERROR(Layer::create(c, comm, &layer));
-  if (v.unfused) EPFLOW_RETURN_IF_ERROR(LayerInternals::use_unfused_forward(*layer, true));
-  if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(LayerInternals::enable_trace(*layer));
-  out->plan = LayerInternals::plan(*layer);
+  std::unique_ptr<LayerCore> layer;  // the public Layer's core, with hooks and executors
+  EPFLOW_RETURN_IF_ERROR(LayerCore::create(c, comm, &layer));
+  if (v.unfused) {
+    std::unique_ptr<bench::UnfusedForward> unfused;
+    EPFLOW_RETURN_IF_ERROR(bench::UnfusedForward::create(layer->workspace(), &unfused));
+    layer->set_forward_executor(std::move(unfused));
+  }
+  BenchHooks hooks;
+  if (!trace_path.empty())
+    EPFLOW_RETURN_IF_ERROR(hooks.enable_trace(layer->workspace().sm_count));
+  out->plan = layer->workspace().plan;
   Stream stream;
   EPFLOW_RETURN_IF_ERROR(stream.create());
   RankData data;
@@ -634,10 +526,8 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
     EPFLOW_RETURN_IF_ERROR(dense_ev.create(n));
   }
   for (int i = 0; i < n; ++i) {
-    const cudaEvent_t* m = ev.marks(i);
-    const StageEvents stages{m[0], m[1], m[2], m[3], m[4]};
-    EPFLOW_RETURN_IF_ERROR(
-        LayerInternals::forward_with_stage_events(*layer, data.args(), stream.get(), stages));
+    hooks.set_marks(ev.marks(i));
+    EPFLOW_RETURN_IF_ERROR(layer->forward(data.args(), stream.get(), nullptr, &hooks));
     if (dense) {
       const cudaEvent_t* d = dense_ev.marks(i);
       EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(d[0], stream.get()), "cudaEventRecord"));
@@ -645,9 +535,10 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
       EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(d[1], stream.get()), "cudaEventRecord"));
     }
   }
+  hooks.set_marks(nullptr);
   // A timed-out wait traps its kernel: say which.
-  EPFLOW_RETURN_IF_ERROR(with_device_failure(
-      *layer, cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run")));
+  EPFLOW_RETURN_IF_ERROR(layer->with_device_failure(
+      cuda_status(cudaStreamSynchronize(stream.get()), "EPFlow benchmark run")));
   EPFLOW_RETURN_IF_ERROR(ev.summarize(o.warmup, &out->total_us, out->stage_us));
   if (dense) {
     std::vector<double> ms;
@@ -660,10 +551,11 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
     }
     out->interleaved_dense_tflops = dense->tflops(median(ms));
   }
-  if (!trace_path.empty()) EPFLOW_RETURN_IF_ERROR(write_trace(*layer, c.ep_rank, trace_path));
+  if (!trace_path.empty())
+    EPFLOW_RETURN_IF_ERROR(write_trace(hooks, out->plan.comm_sms, c.ep_rank, trace_path));
   if (with_backward)
     EPFLOW_RETURN_IF_ERROR(time_backward(
-        *layer, data, c, T, o, stream.get(), out,
+        *layer, hooks, data, c, T, o, stream.get(), out,
         trace_path.empty() ? "" : trace_path.substr(0, trace_path.size() - 4) + "-bwd.csv"));
   return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
 }
@@ -878,8 +770,8 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
                      const Variant* variant, const std::vector<double>& repeat_us,
                      const Yardsticks* yard = nullptr) {
   const RankResult& slow = slowest(ranks);
-  const double flops = forward_flops(c, slow.routed_slots);
-  const double ffn_flops = forward_flops(c, slow.rows_received);
+  const double flops = bench::forward_flops(c, slow.routed_slots);
+  const double ffn_flops = bench::forward_flops(c, slow.rows_received);
   const double row_bytes = 2.0 * c.hidden;
   std::ostringstream js;
   js << "{\"system\": \"" << system << "\", \"direction\": \"fwd\", \"preset\": \"" << p.name
@@ -944,8 +836,8 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
 void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c,
                   const std::vector<RankResult>& ranks) {
   const RankResult& slow = slowest(ranks);
-  const double flops = forward_flops(c, slow.routed_slots);
-  const double ffn_flops = forward_flops(c, slow.rows_received);
+  const double flops = bench::forward_flops(c, slow.routed_slots);
+  const double ffn_flops = bench::forward_flops(c, slow.rows_received);
   const double nvlink_bytes = (slow.nvlink_rows_in + slow.nvlink_rows_out) * 2.0 * c.hidden;
   std::printf("\n%s (H %lld, I %lld, %d experts/rank, top-%d), %lld tokens/rank; megakernel: %d "
               "comm + %d compute SMs, minibatch %lld rows, ring %lld rows (%.0f MB)\n",
@@ -972,7 +864,7 @@ void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c,
 // A system's line of the comparison table under EPFlow's stages; `epflow` null on EPFlow's own.
 void print_system(const char* system, const LayerConfig& c, const RankResult& slow,
                   const RankResult* epflow, const Check& check, size_t checked_tokens) {
-  const double tflops = forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6;
+  const double tflops = bench::forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6;
   char ratio[32] = "";
   if (epflow) std::snprintf(ratio, sizeof ratio, "%.2fx", slow.total_us / epflow->total_us);
   std::printf("  %-26s %10.1f %12.1f %14s", system, slow.total_us, tflops, ratio);
@@ -1030,11 +922,7 @@ int run_gpu(const Options& o, int devices) {
        << ",\n  \"warmup\": " << o.warmup << ",\n  \"iters\": " << o.iters << ",\n  \"runs\": [";
   bool first = true, all_ok = true;
   for (const auto& name : presets) {
-    const bench::Preset* p = bench::find_preset(name);
-    if (!p) {
-      usage();
-      return 2;
-    }
+    const bench::Preset* p = bench::find_preset(name);  // a known name: parse_options checked
     for (int64_t T : token_list) {
       const LayerConfig c = bench::layer_config(*p, ep, T);
       if (o.check) {
@@ -1202,7 +1090,7 @@ int run_gpu(const Options& o, int devices) {
       }
       if (have_roof) {
         const double stream_us = weight_bytes(c) / (roof.hbm_copy_gbs * 1e3);
-        const double layer_tflops = forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6;
+        const double layer_tflops = bench::forward_flops(c, slow.routed_slots) / slow.total_us * 1e-6;
         std::printf("  yardsticks (%s): cuBLAS dense bf16 on the same rows %.1f TFLOP/s (mean of "
                     "GPUs: %s; layer at %.0f%%); weights %.2f GB stream in %.1f us at the HBM copy "
                     "rate %.0f GB/s (layer = %.2fx that)\n",
@@ -1244,10 +1132,10 @@ int run_gpu(const Options& o, int devices) {
         first = false;
         if (v == 0 && o.backward && !o.check) {
           const RankResult& b = slowest_backward(variant_results[0]);
-          const char* dtype = o.grad_dtype == GradDType::kBF16 ? "bf16" : "fp32";
+          const char* dtype = o.fp32_grads ? "fp32" : "bf16";
           std::printf("  %-26s %10.1f %12.1f  (weight gradients %s, written)\n",
                       "epflow backward", b.backward_us,
-                      2 * forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype);
+                      2 * bench::forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype);
           const RankResult& f = *std::max_element(
               variant_results[0].begin(), variant_results[0].end(),
               [](const RankResult& a, const RankResult& b) {
@@ -1269,14 +1157,14 @@ int run_gpu(const Options& o, int devices) {
               js << (st ? ", " : "") << '"' << names[st] << "\": " << json_num(us[st]);
             return js.str();
           };
-          auto tflops = [&](double us) { return 2 * forward_flops(c, b.routed_slots) / us * 1e-6; };
+          auto tflops = [&](double us) { return 2 * bench::forward_flops(c, b.routed_slots) / us * 1e-6; };
           std::printf("    its stages (us, slowest rank):%s\n",
                       stages_text(b.backward_stage_names, b.backward_stage_us).c_str());
           std::printf("    memory (GB): backward rows %.2f, kept g|u %.2f, layer total %.2f\n",
                       b.memory.backward_bytes * 1e-9, b.memory.saved_bytes * 1e-9,
                       b.memory.total() * 1e-9);
           std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
-                      forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
+                      bench::forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
           auto bwd_json = [&](const char* system, double us) {
             json << ",\n    {\"system\": \"" << system << "\", \"direction\": \"bwd\", "
                  << "\"preset\": \"" << p->name << "\", \"tokens\": " << T
@@ -1347,7 +1235,8 @@ int run_gpu(const Options& o, int devices) {
     f << json.str();
     f.close();
     if (!f) {
-      std::fprintf(stderr, "epflow-bench: writing %s failed\n", o.json.c_str());
+      std::fprintf(stderr, "epflow-bench: --json: writing \"%s\" failed: %s\n", o.json.c_str(),
+                   std::strerror(errno));
       return 1;
     }
   }
@@ -1361,11 +1250,18 @@ int run_gpu(const Options& o, int devices) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options o;
-  if (!parse(argc, argv, &o)) {
-    usage();
-    return 2;
+  const bench::ParseResult parsed = bench::parse_options(argc, argv);
+  switch (parsed.outcome) {
+    case bench::ParseResult::Outcome::kHelp:
+      std::fputs(bench::usage_text().c_str(), stdout);
+      return 0;
+    case bench::ParseResult::Outcome::kError:
+      std::fprintf(stderr, "epflow-bench: %s\n%s", parsed.error.c_str(),
+                   bench::short_usage_text().c_str());
+      return 2;
+    case bench::ParseResult::Outcome::kOk: break;
   }
+  const Options& o = parsed.options;
   int devices = 0;
   const cudaError_t err = cudaGetDeviceCount(&devices);
   if (err != cudaSuccess || devices == 0) {

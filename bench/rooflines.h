@@ -9,9 +9,17 @@
 #include <cstdint>
 #include <memory>
 
+#include "epflow/config.h"
 #include "epflow/status.h"
 
 namespace epflow::bench {
+
+// FLOPs of the routed experts' forward for `routed_rows` (token, k) rows: 3 GEMMs of 2*H*I each
+// (the backward's are twice these).
+inline double forward_flops(const LayerConfig& c, int64_t routed_rows) {
+  return 6.0 * static_cast<double>(routed_rows) * static_cast<double>(c.hidden) *
+         static_cast<double>(c.intermediate);
+}
 
 struct Rooflines {
   double dense_tflops = 0;  // cuBLAS bf16 (fp32 accumulate): rows x 2I x H, then rows x H x I
