@@ -29,18 +29,14 @@ struct LayerPlan {
   int32_t backward_comm_sms = 0;  // backward megakernel: communication partition
 };
 
-// Default communication SMs: enough pull bandwidth to feed the compute partition. NOTES: a
-// routed row brings 2·H bytes and costs 6·H·I FLOPs of GEMM, so C compute SMs at R_gemm each
-// consume C·R_gemm / (3·I) bytes/s of rows, whatever H; one communication SM pulls R_pull. With a
-// 2x margin (dispatch must run ahead, and the first minibatch waits on pulls only),
+// Default communication SMs: enough pull bandwidth to feed the compute partition. A routed row
+// brings 2·H bytes and costs 6·H·I FLOPs of GEMM, so C compute SMs at R_gemm each consume
+// C·R_gemm / (3·I) bytes/s of rows, whatever H; one communication SM pulls R_pull. With a 2x
+// margin (dispatch must run ahead, and the first minibatch waits on pulls only),
 // comm = S·r / (1 + r) with r = 2·R_gemm / (3·I·R_pull), rounded, at least kMinCommSms and at
-// most a quarter of the SMs. Rates measured on 2xH200 (trace of DeepSeek-V3, 8192 tokens/rank,
-// EP 2): ~4.6 TFLOP/s per compute SM, ~31 GB/s per communication SM with the bulk-copy dispatch
-// (128 rows of 14 KB in ~59 us; it was ~18 GB/s with register copies). That gives 6 for I = 2048
-// (DeepSeek-V3, V4-Flash), 8 for I = 1536, 15 for I = 768 (Qwen3-30B-A3B): in a sweep of 4..16
-// SMs over the four presets at 512/2048/8192 tokens/rank (2026-11-30) the best points were 4-6,
-// 6-8 and 8-16 SMs, and these defaults within a few % of them. MoK tuned 24 of 148 SMs for BF16
-// forward. Not yet measured beyond EP 2 (more rows cross NVLink there).
+// most a quarter of the SMs: 6 for I = 2048, 8 for I = 1536, 15 for I = 768 on 132 SMs. The two
+// rates are the megakernel's own per-SM rates on H200 (bulk-copy pulls over NVLink, wgmma tiles);
+// docs/benchmarks.md has the trace they come from and the SM sweep that checked these defaults.
 inline constexpr double kGemmFlopsPerComputeSm = 4.6e12;
 inline constexpr double kPullBytesPerCommSm = 31e9;
 inline constexpr int32_t kMinCommSms = 4;
@@ -48,7 +44,7 @@ int32_t default_comm_sms(const LayerConfig& config, int32_t sm_count);
 // The backward megakernel's communication SMs: the forward's rule with twice the bytes per
 // row (it pulls dy for its GEMMs and x for the weight gradients: 4·H bytes against the same
 // 6·H·I FLOPs of its two GEMMs), at most a quarter of the SMs: 12 for I = 2048, 15 for I = 1536,
-// 27 for I = 768 on 132 SMs. Not yet tuned by a sweep.
+// 27 for I = 768 on 132 SMs.
 int32_t default_backward_comm_sms(const LayerConfig& config, int32_t sm_count);
 
 // Default ring: this many minibatches, so dispatch runs ahead of compute and the down GEMM of

@@ -291,8 +291,8 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     // warpgroup barrier before the release matters: with no wgmma to hold the four warps
     // together, warp 0 would release stages and run on while the other warps still wait, and
     // a warp that falls a whole ring behind waits on a reused stage's next phase of the same
-    // parity: it misses its phase and the CTA deadlocks (seen on 2xH200: the megakernel hung
-    // within 3-62 calls at 512 tokens/rank, whose small experts leave many padding halves).
+    // parity: it misses its phase and the CTA deadlocks (small token counts, whose small experts
+    // leave many padding halves, hit it within a few calls).
     for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
       ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
       ptx::named_barrier_sync(1 + wg, 128);
