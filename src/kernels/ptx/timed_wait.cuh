@@ -16,9 +16,10 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 // Time a spin-wait has spent, immune to steps of %globaltimer. NOTES: %globaltimer follows the
 // host's clock and is not guaranteed monotonic: stepped backwards, `now - start` would wrap to a
-// huge value and a healthy wait "time out" at once; forwards, it would count time nobody waited. Each poll adds its own step,
-// a negative step counting 0 and a step over kMaxStepNs counting kMaxStepNs (a real poll step is
-// a few microseconds), so a wait gives up after at least its timeout of real time.
+// huge value and a healthy wait "time out" at once; forwards, it would count time nobody waited.
+// Each poll adds its own step, a negative step counting 0 and a step over kMaxStepNs counting
+// kMaxStepNs (a real poll step is a few microseconds), so a wait gives up after at least its
+// timeout of real time.
 class WaitClock {
  public:
   static constexpr int64_t kMaxStepNs = 1000000;
