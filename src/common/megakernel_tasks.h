@@ -1,10 +1,11 @@
-// Task lists of the forward megakernel and the counter protocol between its two SM partitions.
+// Task lists of the megakernel (both passes) and the counter protocol between its two SM
+// partitions; the kinds and counters are named after the forward's.
 //
-// Portable (EPFLOW_HD): the kernel (src/kernels/moe_megakernel.cu) and the CPU protocol
-// simulation (tests/common/test_megakernel_tasks.cpp) run these same functions.
+// Portable (EPFLOW_HD): the kernel (src/kernels/megakernel/) and the CPU protocol simulation
+// (tests/common/test_megakernel_tasks.cpp) run these same functions.
 //
-// The pull table's row tiles m = 0 .. m_tiles-1 (kTileRows rows each, all inside one expert) live in
-// a ring of ring_tiles tile slots: tile m uses slot m % ring_tiles during macrobatch
+// The pull table's row tiles m = 0 .. m_tiles-1 (kTileRows rows each, all inside one expert) live
+// in a ring of ring_tiles tile slots: tile m uses slot m % ring_tiles during macrobatch
 // m / ring_tiles ("round"). Three task kinds per tile:
 //   D(m)    dispatch: pull the tile's x rows from their source ranks into the slot (the head
 //           tiles, the first minibatch, in kHeadDispatchParts parts D(m, p));
@@ -24,9 +25,10 @@
 // Head. The head tiles' dispatch parts wait for nothing (round 0): every CTA of the kernel, both
 // partitions, claims them one at a time from one counter before its own role, so the first
 // minibatch arrives at the whole GPU's pull rate instead of the communication partition's (the
-// compute SMs would idle meanwhile: ~130 us of every call at DeepSeek-V3 sizes on 2xH200).
+// compute SMs wait for it with nothing else to do).
 // Order. Comm CTAs take the comm list round-robin, each in list order, then join the compute
-// CTAs; compute CTAs claim compute tasks one at a time, in list order, from one counter. Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
+// CTAs; compute CTAs claim compute tasks one at a time, in list order, from one counter.
+// Compute list: by minibatch (minibatch_tiles row tiles): GU tiles of minibatch 0, then
 // GU of minibatch j + 1 followed by DN of minibatch j (row tile fastest inside each, so
 // concurrent CTAs share weight tiles through L2), then DN of the last; without the lag (GU(j),
 // DN(j), ...) when the ring holds a single minibatch; the backward lists DN n tile fastest when
@@ -107,12 +109,11 @@ EPFLOW_HD Task minibatch_task(const TaskShape& s, TaskKind kind, int32_t j, int6
 }
 
 // NOTES: the backward's dx tiles (DN) of row tile m wait for all its dhp tiles (GU), which a
-// minibatch lists n tile by n tile; with ~1 row tile per expert (512 tokens/rank) a minibatch's
-// last dhp tiles (likely those past the first wave: 128 dhp tiles for ~120 CTAs at DeepSeek-V3)
-// hold up every dx tile listed row tile fastest. Row tile by row tile, the dx tiles of the rows
-// done first come first (2xH200, DeepSeek-V3 at 512: waits per compute CTA 43-57 -> 30-42 us in
-// the trace). Only when row tiles of one expert are few: with many (8192 tokens/rank: 16 per
-// expert), row tile fastest is what lets concurrent CTAs share each 2 MB weight slice in L2.
+// minibatch lists n tile by n tile; with about one row tile per expert, a minibatch's last dhp
+// tiles (those past the first wave of CTAs: a minibatch can hold more dhp tiles than there are
+// compute CTAs) hold up every dx tile listed row tile fastest. Row tile by row tile, the dx
+// tiles of the rows done first come first, and wait less. Only when row tiles of one expert are
+// few: with many, row tile fastest is what lets concurrent CTAs share each weight slice in L2.
 EPFLOW_HD bool down_n_fastest_suits(int32_t m_tiles, int32_t experts) {
   return m_tiles <= 2 * experts;
 }

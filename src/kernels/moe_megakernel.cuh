@@ -12,6 +12,7 @@
 //   owners' (token, k) slots; the communication CTAs also pull the x rows the weight gradients
 //   read. Its "ring" holds every routed row (ring_tiles >= the pull table's tiles: no wrap),
 //   because the weight-gradient GEMMs that follow read all of them.
+// The code: src/kernels/megakernel/ (one .cu per pass; the shared device code in its headers).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,0 +1,171 @@
+// The compute partition's loop (compute_role) and the TMA maps its GEMMs read. The pass (P, see
+// kernel.cuh) chooses the GEMMs' epilogues, weight layouts and K, and the gate/up-kind tiles'
+// sink; each sink has its own file.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <cuda/ptx>
+
+#include "common/megakernel_tasks.h"
+#include "kernels/grouped_gemm.cuh"
+#include "kernels/megakernel/counters.cuh"
+#include "kernels/megakernel/dh_sink.cuh"
+#include "kernels/megakernel/push_combine_sink.cuh"
+#include "kernels/megakernel/ring_sink.cuh"
+#include "kernels/megakernel/smem.cuh"
+#include "kernels/moe_megakernel.cuh"
+#include "kernels/ptx/timed_wait.cuh"
+#include "kernels/ptx/tma.cuh"
+
+namespace epflow::kernels::megakernel {
+
+// The TMA maps of the two GEMMs. First GEMM (gate/up-kind tasks): rows1 (128-row boxes) and
+// rows1_few (16-row boxes) over ring_x; weights w1a, w1b; h_out, the store threads' map of the
+// ring's h rows (forward only). Second GEMM (down-kind tasks): rows2, rows2_few over ring_h;
+// weights w2a, w2b. Each pass's launcher encodes the weights' maps.
+struct Maps {
+  CUtensorMap rows1, rows1_few, w1a, w1b, h_out, rows2, rows2_few, w2a, w2b;
+};
+
+// Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
+// warpgroups); two threads of the producer warpgroup store the consumers' gate/up output tiles
+// and signal them, a third one schedules. NOTES: compute tasks are claimed in list order from one
+// counter (dynamic, not round-robin), so tasks next to each other in the list (the row tiles
+// sharing a weight tile) start together on different SMs and share that weight tile through L2;
+// with a static split, CTAs drift apart (gate/up and down tiles differ in length, waits differ)
+// and each re-reads weights from HBM. The scheduler thread claims the next task, finds its tile
+// and passes its waits while the producer still loads the current tile (the claim, the expert
+// lookup and the counter reads are a chain of dependent global accesses per task, longer than
+// the kStages-stage lookahead hides). It claims only once the producer took the previous task,
+// so a CTA holds at most one task beyond the one it runs; tasks of a CTA are still taken in
+// list order, which keeps the no-deadlock argument.
+template <class P>
+__device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs& a,
+                                             const mega::TaskShape& s, MegaSmem& smem,
+                                             int32_t traced) {
+  using gemm::Epilogue;
+  using mega::Task;
+  using mega::TaskKind;
+  const int wg = threadIdx.x / 128;
+  const int64_t tasks = mega::num_compute_tasks(s);
+  // K of the two GEMMs: H, then I (forward: h) or 2I (backward: [dg | du], W_gate's K first).
+  const int32_t k_gate_up = a.hidden / gemm::kBlockK;
+  const int32_t k_down = P::kDownKParts * a.intermediate / gemm::kBlockK;
+  volatile gemm::StageTag* stage_tag = smem.stage_tag;
+  const gemm::StageTags tags{smem.stage_tag, smem.tag_read};
+  gemm::PipelineState<kStages> ps;
+  if (wg == 0) {
+    ptx::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 96) {
+      uint32_t* next_task = claim_counter(a);
+      for (uint32_t n = 0;; ++n) {
+        ptx::mbarrier_wait(&smem.next_empty, (n & 1) ^ 1);
+        const int64_t i = atomicAdd(next_task, 1u);
+        const uint64_t taken = a.trace ? ptx::global_timer_ns() : 0;
+        if (i < tasks) {
+          const Task t = mega::compute_task(s, i);
+          smem.next_tile = tile_of(a, s, t);
+          wait_for_task<P>(a, s, t, true);
+        }
+        smem.next_task = i < tasks ? i : -1;
+        smem.next_taken = taken;
+        smem.next_ready = a.trace ? ptx::global_timer_ns() : 0;
+        ptx::mbarrier_arrive(&smem.next_full);  // release: the fields above, and the waits
+        if (i >= tasks) break;
+      }
+    } else if (threadIdx.x == 0) {
+      for (uint32_t n = 0;; ++n) {
+        ptx::mbarrier_wait(&smem.next_full, n & 1);
+        const int64_t i = smem.next_task;
+        const gemm::TileCoord c = smem.next_tile;
+        const uint64_t taken = smem.next_taken, ready = smem.next_ready;
+        ptx::mbarrier_arrive(&smem.next_empty);
+        if (i < 0) break;
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what was waited for
+        const Task t = mega::compute_task(s, i);
+        // A split K (the backward's [dg | du]) reads its first I columns' weights from w2a.
+        if (t.kind == TaskKind::kGateUp)
+          gemm::produce_tile<P::kGateUpEpilogue, kStages, kStaging, P::kWeights>(
+              smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b, tags, i);
+        else
+          gemm::produce_tile<Epilogue::kStore, kStages, kStaging, P::kWeights>(
+              smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b, tags, i,
+              P::kDownKParts > 1 ? a.intermediate / gemm::kBlockK : 0);
+        record_progress(a, kProducerLoaded, i);
+        trace_task(a, traced + static_cast<int32_t>(n), i, t, taken, ready);
+      }
+      // The next stage tells the consumers there is nothing more (no data: a plain arrival).
+      ptx::mbarrier_wait(&smem.gemm.empty[ps.stage], ps.phase ^ 1);
+      gemm::wait_tag_read(tags, ps);
+      stage_tag[ps.stage].task = -1;
+      ptx::mbarrier_arrive(&smem.gemm.full[ps.stage]);
+    } else if (threadIdx.x == 32 || threadIdx.x == 64) {
+      const int w = threadIdx.x / 32 - 1;  // the consumer warpgroup this thread stores for
+      volatile gemm::StageTag* staged = smem.staged;
+      for (uint32_t uses = 0;; ++uses) {
+        ptx::mbarrier_wait(&smem.staging_full[w], uses & 1);
+        const int64_t i = staged[w].task;
+        if (i < 0) break;
+        const Task t = mega::compute_task(s, i);
+        // The consumers' tile (the scheduler looked it up once): no global loads before the stores.
+        const volatile gemm::TileCoord& tag = staged[w].tile;
+        const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
+        // Only RingSink stages tiles: the forward's h.
+        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
+        ptx::tma_store_wait_read();
+        ptx::mbarrier_arrive(&smem.staging_empty[w]);
+        ptx::tma_store_wait_all();
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+        ptx::signal_counter(
+            counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind)));
+        record_progress(a, kStoreSignalled + w, i);
+      }
+    }
+  } else {
+    ptx::warpgroup_reg_alloc<232>();
+    const int tid = threadIdx.x % 128;
+    RingSink ring{&smem, &a};  // the forward's gate/up tiles, and the store threads' stop
+    PushCombineSink push{&a};
+    DhSink dh{&a};
+    for (;;) {
+      ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
+      const int64_t i = stage_tag[ps.stage].task;
+      const volatile gemm::TileCoord& tag = stage_tag[ps.stage].tile;
+      const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
+      ptx::mbarrier_arrive(&smem.tag_read[ps.stage]);
+      if (i < 0) break;
+      const Task t = mega::compute_task(s, i);
+      uint32_t* counter =
+          counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
+      if (tid == 0) record_progress(a, kConsumerTaken + wg - 1, i);
+      if (t.kind == TaskKind::kGateUp) {
+        if constexpr (P::kBackward) {
+          dh.counter = counter;
+          dh.c = c;
+          gemm::consume_tile<P::kGateUpEpilogue, kStages, kStaging, DhSink, P::kWeights>(
+              smem.gemm, ps, c, k_gate_up, wg - 1, dh);
+        } else {
+          ring.counter = counter;
+          ring.task = i;
+          gemm::consume_tile<P::kGateUpEpilogue, kStages, kStaging, RingSink, P::kWeights>(
+              smem.gemm, ps, c, k_gate_up, wg - 1, ring);
+        }
+      } else {
+        push.counter = counter;
+        gemm::consume_tile<Epilogue::kStore, kStages, kStaging, PushCombineSink, P::kWeights>(
+            smem.gemm, ps, c, k_down, wg - 1, push);
+      }
+      if (tid == 0) record_progress(a, kConsumerDone + wg - 1, i);
+    }
+    // Stop this warpgroup's store thread (through its staging handshake, phases kept).
+    ring.acquire(wg - 1, tid);
+    if (tid == 0) {
+      smem.staged[wg - 1].task = -1;
+      ptx::mbarrier_arrive(&smem.staging_full[wg - 1]);
+    }
+  }
+}
+
+}  // namespace epflow::kernels::megakernel

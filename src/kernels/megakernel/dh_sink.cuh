@@ -1,0 +1,146 @@
+// The backward's dhp epilogue sink (grouped_gemm.cuh's direct sink interface): the SwiGLU and
+// router-weight backward applied to the dhp accumulators, writing w·h, [dg | du] and the rows'
+// <dhp, h> partial sums. Its own file: one file per epilogue sink.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cuda/ptx>
+
+#include "common/routing_schedule.h"
+#include "common/tile.h"
+#include "kernels/grouped_gemm.cuh"
+#include "kernels/moe_megakernel.cuh"
+#include "kernels/ptx/timed_wait.cuh"
+#include "kernels/ptx/tma.cuh"
+
+namespace epflow::kernels::megakernel {
+
+// Backward dhp tiles (dhp = dy W_down): the SwiGLU and router-weight backward in the epilogue,
+// straight from the accumulators. Per routed row (its table row is its ring row: the backward's
+// ring does not wrap) and column i of the tile, from the forward's kept g | u and the row's
+// router weight w (read from its owner's window before the mainloop): h = silu(g) u rounded as
+// the forward stored it, w·h (the down weight gradient's rhs), dg = w dhp u silu'(g) and
+// du = w dhp silu(g) (the dx GEMM's rows), 16 bytes per lane (quad_gather_block); and the row's
+// <dhp, h> over the tile's columns into dw_partial (router_weight_grad sums the n tiles in order:
+// d w is deterministic). Padding rows get zeros: the weight-gradient GEMMs sum over whole tiles.
+// The counter says the tile's [dg | du] rows are written, so each warpgroup signals after all
+// its threads stored (and fenced them for the dx GEMM's TMA loads).
+struct DhSink {
+  static constexpr bool kDirect = true;
+  const MegakernelArgs* a;
+  uint32_t* counter = nullptr;
+  gemm::TileCoord c;  // the current tile (skip() needs it too)
+  // The thread's rows' g at this n tile (u: + I); null: padding.
+  const __nv_bfloat16* gu[2] = {nullptr, nullptr};
+  __nv_bfloat16* wh[2];   // the thread's rows of w·h at this n tile
+  __nv_bfloat16* dgu[2];  // ... and of [dg | du]
+  int64_t row[2];         // the thread's two ring rows
+  float w[2], dot[2];
+  int32_t cols = 0, q = 0, wg = 0, tid = 0;
+  uint32_t wh_pairs[2][4], dg_pairs[2][4], du_pairs[2][4];
+
+  __device__ __forceinline__ void prepare(const gemm::TileCoord& tile, int warpgroup, int thread) {
+    c = tile;
+    wg = warpgroup;
+    tid = thread;
+    const int64_t I = a->intermediate, col0 = int64_t{tile.n_tile} * kTileCols;
+    q = tid % 4;
+    cols = static_cast<int32_t>(I - col0);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row[half] = int64_t{tile.a_row} + wg * 64 + tid / 32 * 16 + tid % 32 / 4 + 8 * half;
+      wh[half] = a->wh_out + row[half] * I + col0;
+      dgu[half] = a->ring_h + row[half] * 2 * I + col0;
+      dot[half] = 0.0f;
+      w[half] = 0.0f;
+      gu[half] = nullptr;
+      if (row[half] - tile.a_row < tile.rows) {
+        gu[half] = a->gate_up_in + row[half] * 2 * I + col0;
+        const sched::PullRow r = a->table[row[half]];
+        w[half] = *reinterpret_cast<const float*>(a->peers.base[r.src_rank] + a->weights_offset +
+                                                  int64_t{r.src_slot} * sizeof(float));
+        // This lane's quarter of the row's g and u columns, into L2 while the MMAs run.
+        const int64_t line = int64_t{q} * 64;  // 128 bytes of bf16
+        if (line < cols) {
+          ptx::prefetch_l2(gu[half] + line);
+          ptx::prefetch_l2(gu[half] + I + line);
+        }
+      }
+    }
+  }
+  __device__ __forceinline__ void begin(int, int) {}
+  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
+  __device__ __forceinline__ void write(int j, int half, float d0, float d1) {
+    const int col = 8 * j + 2 * q;
+    float wh0 = 0.0f, wh1 = 0.0f, dg0 = 0.0f, dg1 = 0.0f, du0 = 0.0f, du1 = 0.0f;
+    if (gu[half] && col < cols) {
+      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gu[half] + col));
+      const float2 u = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(gu[half] + a->intermediate + col));
+      auto one = [&](float gv, float uv, float dhp, float* whv, float* dgv, float* duv) {
+        const float sig = 1.0f / (1.0f + __expf(-gv));
+        const float silu = gv * sig;
+        const float h = __bfloat162float(__float2bfloat16(silu * uv));
+        dot[half] = fmaf(dhp, h, dot[half]);
+        const float dh = w[half] * dhp;
+        *whv = w[half] * h;
+        *duv = dh * silu;
+        *dgv = dh * uv * sig * (1.0f + gv * (1.0f - sig));
+      };
+      one(g.x, u.x, d0, &wh0, &dg0, &du0);
+      one(g.y, u.y, d1, &wh1, &dg1, &du1);
+    }
+    wh_pairs[half][j % 4] = gemm::bf16_pair(wh0, wh1);
+    dg_pairs[half][j % 4] = gemm::bf16_pair(dg0, dg1);
+    du_pairs[half][j % 4] = gemm::bf16_pair(du0, du1);
+    if (j % 4 != 3 || half != 1) return;
+    const int block = 8 * (j - 3 + q);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 vwh = gemm::quad_gather_block(wh_pairs[h], q);
+      const uint4 vdg = gemm::quad_gather_block(dg_pairs[h], q);
+      const uint4 vdu = gemm::quad_gather_block(du_pairs[h], q);
+      if (block < cols) {
+        *reinterpret_cast<uint4*>(wh[h] + block) = vwh;
+        *reinterpret_cast<uint4*>(dgu[h] + block) = vdg;
+        *reinterpret_cast<uint4*>(dgu[h] + a->intermediate + block) = vdu;
+      }
+    }
+    if (j != kTileCols / 8 - 1) return;
+    // The quad's four partial sums of each row, in a fixed order.
+    const int32_t n_dh = backward_dh_tiles(a->intermediate);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v = dot[h];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (q == 0 && gu[h]) a->dw_partial[row[h] * n_dh + c.n_tile] = v;
+    }
+    finish();
+  }
+  // After the epilogue (every thread of the warpgroup): the tile's rows are written; signal.
+  __device__ __forceinline__ void finish() {
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // the dx GEMM reads them by TMA
+    ptx::named_barrier_sync(1 + wg, 128);
+    if (tid == 0) ptx::signal_counter(counter);
+  }
+  // A warpgroup whose 64 rows are all padding: zeros for them (w·h and [dg | du] at this n tile).
+  __device__ __forceinline__ void skip(int warpgroup, int thread) {
+    wg = warpgroup;
+    tid = thread;
+    const int64_t I = a->intermediate, col0 = int64_t{c.n_tile} * kTileCols;
+    const int32_t chunks = static_cast<int32_t>((I - col0 < kTileCols ? I - col0 : kTileCols) / 8);
+    for (int32_t i = tid; i < 64 * 3 * chunks; i += 128) {
+      const int64_t row = int64_t{c.a_row} + wg * 64 + i / (3 * chunks);
+      const int32_t part = i % (3 * chunks) / chunks, col = i % chunks * 8;
+      __nv_bfloat16* dst = part == 0 ? a->wh_out + row * I + col0 + col
+                                     : a->ring_h + row * 2 * I + (part - 1) * I + col0 + col;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+    finish();
+  }
+};
+
+}  // namespace epflow::kernels::megakernel

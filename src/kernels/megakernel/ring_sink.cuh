@@ -1,0 +1,90 @@
+// The forward's gate/up epilogue sink (grouped_gemm.cuh's staged sink interface): SwiGLU tiles
+// handed through the staging buffers to the store threads, which write h into the ring. Its
+// own file: one file per epilogue sink. Both passes' compute loops also stop their store
+// threads through its handshake (compute.cuh).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/tile.h"
+#include "kernels/grouped_gemm.cuh"
+#include "kernels/megakernel/smem.cuh"
+#include "kernels/moe_megakernel.cuh"
+#include "kernels/ptx/timed_wait.cuh"
+#include "kernels/ptx/tma.cuh"
+
+namespace epflow::kernels::megakernel {
+
+// Gate/up tiles: the consumers' epilogue output goes to a store thread of the producer
+// warpgroup, which issues the TMA stores of h into the ring, waits for them to land and signals
+// the tile's counter: the consumer warpgroups go straight on to their next tile's MMAs. A
+// warpgroup whose rows are all padding signals itself once it has consumed the tile's stages.
+// NOTES: never earlier (say, by the store thread as soon as it reaches the task): the producer
+// may not have passed the task's waits yet, and an early signal of round r + 1 would complete a
+// target meant for round r.
+struct RingSink {
+  static constexpr bool kDirect = false;
+  MegaSmem* s;
+  const MegakernelArgs* a;
+  uint32_t* counter = nullptr;  // the current tile's counter
+  int64_t task = 0;             // the current tile's task
+  uint32_t uses = 0;
+  __device__ __forceinline__ void acquire(int wg, int) {
+    ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
+    ++uses;
+  }
+  __device__ __forceinline__ void publish(int wg, int tid, const uint8_t*,
+                                          const gemm::TileCoord& c) {
+    if (tid == 0) {
+      s->staged[wg] = gemm::StageTag{task, c};
+      ptx::mbarrier_arrive(&s->staging_full[wg]);
+    }
+  }
+  __device__ __forceinline__ void skip(int, int tid) {
+    if (tid == 0) ptx::signal_counter(counter);
+  }
+  // Training: g and u of the tile's routed rows, bf16, into gate_up_out at the rows' pull-table
+  // positions (the backward reads them there; the ring slot is reused). NOTES: straight from
+  // the accumulators, 16 bytes per lane, before the SwiGLU staging: the stores drain while the
+  // warpgroup writes staging and runs the next mainloop.
+  __device__ __forceinline__ void keep_gate_up(const float* acc, const gemm::TileCoord& c, int wg,
+                                               int tid) {
+    if (!a->gate_up_out) return;
+    constexpr int kHalfCols = kTileCols / 2;  // gate columns, then as many up columns
+    constexpr int kUp = kHalfCols / 8 * 4;    // register offset of the up half
+    const int warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+    const int64_t I = a->intermediate;
+    const int32_t cols = static_cast<int32_t>(I - int64_t{c.n_tile} * kHalfCols);
+    __nv_bfloat16* dst[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = wg * 64 + warp * 16 + g + 8 * half;
+      dst[half] = row < c.rows ? a->gate_up_out + (int64_t{c.m_tile} * kTileRows + row) * 2 * I +
+                                     int64_t{c.n_tile} * kHalfCols
+                               : nullptr;
+    }
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {  // gate into [0, I), up into [I, 2I)
+#pragma unroll
+      for (int i = 0; i < kHalfCols / 32; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t pairs[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float* v = acc + part * kUp + 4 * (4 * i + r) + 2 * half;
+            pairs[r] = gemm::bf16_pair(v[0], v[1]);
+          }
+          const uint4 block = gemm::quad_gather_block(pairs, q);
+          const int col = 8 * (4 * i + q);
+          if (dst[half] && col < cols)
+            *reinterpret_cast<uint4*>(dst[half] + part * I + col) = block;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace epflow::kernels::megakernel

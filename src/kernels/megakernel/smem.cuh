@@ -1,0 +1,50 @@
+// The megakernel's shared memory: the GEMM's stages and staging (grouped_gemm.cuh), the
+// handshakes between a compute CTA's threads, and the dispatch's row buffers, which reuse the
+// stage memory. Separate because the dispatch, the sinks and the compute loop all work in it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/grouped_gemm.cuh"
+
+namespace epflow::kernels::megakernel {
+
+// NOTES: the down GEMM pushes its outputs from registers (no staging), so only the gate/up
+// epilogue stages in shared memory: 4 x 48 KB of A/B tiles + 2 x 16 KB staging = 224 KB of 227.
+inline constexpr int kStages = 4;
+inline constexpr int kStaging = gemm::kStagingBytes<gemm::Epilogue::kSwiGLU>;
+// Dispatch moves each x row as two bulk copies (TMA) through a row buffer in shared memory: the
+// source (local HBM or a peer over NVLink) into the buffer, the buffer into the ring. Up to
+// kPullWarps warps per CTA (lane 0 of each issues) keep up to kMaxPullRows rows in flight, in
+// the GEMM's stage memory, which no GEMM uses before the CTA's dispatch is done (a CTA runs GEMMs
+// only after its last dispatch task). NOTES: bulk copies rather than register copies (a warp
+// per row, 16 loads of 16 B in flight per lane): register copies pull peer rows into an SM at a
+// much lower rate (epflow-row-copy-probe compares the two).
+inline constexpr int kMaxPullRows = 64;
+inline constexpr int kPullWarps = 4;
+
+struct alignas(1024) MegaSmem {
+  gemm::GemmSmem<kStages, kStaging> gemm;
+  // Consumer warpgroup w -> its store thread: "staging w holds a tile" / "staging w is free".
+  uint64_t staging_full[2];
+  uint64_t staging_empty[2];
+  // The dynamic schedule: the compute task and tile whose first stage is stage i (task -1: no
+  // more tasks), and the gate/up task and tile whose output staging w holds (task -1: stop).
+  gemm::StageTag stage_tag[kStages];
+  uint64_t tag_read[kStages];  // gemm::StageTags::read
+  gemm::StageTag staged[2];
+  // Scheduler thread -> producer: the next claimed task (-1: none left), its tile, and when it
+  // was claimed and its waits passed (trace); "next holds a task" / "next is free".
+  uint64_t next_full, next_empty;
+  int64_t next_task;
+  gemm::TileCoord next_tile;
+  uint64_t next_taken, next_ready;
+  uint64_t pull_full[kMaxPullRows];  // dispatch row buffer i holds its row
+  int64_t head_claimed;              // the head dispatch part thread 0 claimed, for its CTA
+};
+
+inline constexpr size_t kSmemBytes = sizeof(MegaSmem) + 1024;  // + alignment slack
+static_assert(kSmemBytes <= 227 * 1024, "beyond the opt-in shared memory of an SM90 CTA");
+
+}  // namespace epflow::kernels::megakernel
