@@ -22,7 +22,7 @@ def times(paths):
             key = (r["system"], r["direction"], r["preset"], r["tokens"])
             out.setdefault(key, []).append(r["layer_us"])
             if r["direction"] == "bwd" and "forward_saving_us" in r:  # the training forward
-                key = (r["system"], "fwd keeping g|u", r["preset"], r["tokens"])
+                key = (r["system"], "fwd (training: keeps g, u)", r["preset"], r["tokens"])
                 out.setdefault(key, []).append(r["forward_saving_us"])
     return out
 
