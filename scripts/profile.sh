@@ -17,8 +17,8 @@ scripts/build.sh >/dev/null
 build/epflow-bench --preset "$preset" --tokens "$tokens" --iters 3 --warmup 2 --baselines none \
   --trace "$out/trace" >"$out/trace-bench.log"
 python3 bench/trace_summary.py "$out"/trace-*.csv --png "$out/trace.png" | tee "$out/trace.md"
-# NOTES: --set full did not finish within 200 s on 2xH200 (2026-11-30): only the sections read.
-ncu --clock-control none --kernel-name regex:forward_megakernel --launch-skip 2 --launch-count 1 \
+# Only the sections read: --set full runs too long for a device call.
+ncu --clock-control none --kernel-name "regex:moe_megakernel<.*ForwardPass" --launch-skip 2 --launch-count 1 \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section SchedulerStats \
   -f -o "$out/megakernel" \
