@@ -8,7 +8,7 @@
 // bitwise the same gradients (no atomics, fixed summation orders), and so does forward +
 // backward captured in a CUDA graph and replayed. The backward megakernel (the default) with its
 // default and with one communication SM, and the unfused backward with and without its side
-// stream. Outputs are poisoned first.
+// stream; the hooks the benchmark times them with. Outputs are poisoned first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -334,9 +334,42 @@ TEST(LayerBackwardGpu, CapturedInCudaGraph) {
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
 }
 
+// One token routed to expert 0 on a small EP=1 layer, its forward and backward arguments over
+// poisoned buffers (dy = x, dx = y).
+struct OneTokenCall {
+  Poisoned w, x, y, idx, tw, grads, dtw;
+  ForwardArgs forward;
+  BackwardArgs backward;
+  Status create(const LayerConfig& c) {
+    const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank();
+    for (auto [buf, n, bytes] :
+         {std::tuple{&w, 3 * E * I * H, size_t{2}}, {&x, H, size_t{2}}, {&y, H, size_t{2}},
+          {&idx, c.top_k, size_t{4}}, {&tw, c.top_k, size_t{4}}, {&grads, 3 * E * I * H, size_t{4}},
+          {&dtw, c.top_k, size_t{4}}})
+      if (Status e = buf->create(n, bytes); !e.ok()) return e;
+    EPFLOW_TRY_CUDA(cudaMemset(idx.ptr, 0, 4));  // expert 0, then empty (-1) slots
+    auto* wp = static_cast<__nv_bfloat16*>(w.ptr);
+    forward.num_tokens = 1;
+    forward.x = static_cast<__nv_bfloat16*>(x.ptr);
+    forward.topk_idx = static_cast<int32_t*>(idx.ptr);
+    forward.topk_weights = static_cast<float*>(tw.ptr);
+    forward.weights = {wp, wp + E * I * H, wp + 2 * E * I * H};
+    forward.y = static_cast<__nv_bfloat16*>(y.ptr);
+    auto* gp = static_cast<float*>(grads.ptr);
+    backward.dy = forward.x;
+    backward.dx = forward.y;
+    backward.d_topk_weights = static_cast<float*>(dtw.ptr);
+    backward.d_gate = gp;
+    backward.d_up = gp + E * I * H;
+    backward.d_down = gp + 2 * E * I * H;
+    return Status::ok_status();
+  }
+};
+
 // A backward the layer must refuse before launching anything: of the unfused forward (the
-// benchmark's comparison, it keeps no g | u: its forward with a context is refused already), or with a context an later forward made stale (it replaced
-// the schedule and the window's x the backward reuses), even one without a context.
+// benchmark's comparison, it keeps no g | u: its forward with a context is refused already)
+// or with a context an later forward made stale (it replaced the schedule and the window's x the
+// backward reuses), even one without a context.
 Status refused_backward(bool unfused, bool forward_again, StatusCode want) {
   const LayerConfig c = small_config(1, 64);
   return run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
@@ -348,24 +381,10 @@ Status refused_backward(bool unfused, bool forward_again, StatusCode want) {
         return e;
       layer->set_forward_executor(std::move(forward));
     }
-    const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank();
-    Poisoned w, x, y, idx, tw, grads, dtw;
-    for (auto [buf, n, bytes] :
-         {std::tuple{&w, 3 * E * I * H, size_t{2}}, {&x, H, size_t{2}}, {&y, H, size_t{2}},
-          {&idx, c.top_k, size_t{4}}, {&tw, c.top_k, size_t{4}}, {&grads, 3 * E * I * H, size_t{4}},
-          {&dtw, c.top_k, size_t{4}}})
-      if (Status e = buf->create(n, bytes); !e.ok()) return e;
-    EPFLOW_TRY_CUDA(cudaMemset(idx.ptr, 0, 4));  // expert 0, then empty (-1) slots
-    auto* wp = static_cast<__nv_bfloat16*>(w.ptr);
-    ForwardArgs f;
-    f.num_tokens = 1;
-    f.x = static_cast<__nv_bfloat16*>(x.ptr);
-    f.topk_idx = static_cast<int32_t*>(idx.ptr);
-    f.topk_weights = static_cast<float*>(tw.ptr);
-    f.weights = {wp, wp + E * I * H, wp + 2 * E * I * H};
-    f.y = static_cast<__nv_bfloat16*>(y.ptr);
+    OneTokenCall call;
+    if (Status e = call.create(c); !e.ok()) return e;
     SavedContext saved;
-    const Status forward = layer->forward(f, nullptr, &saved);
+    const Status forward = layer->forward(call.forward, nullptr, &saved);
     if (unfused)  // refused at the forward already: it cannot keep what the backward reads
       return forward.code() == want
                  ? Status::ok_status()
@@ -373,17 +392,9 @@ Status refused_backward(bool unfused, bool forward_again, StatusCode want) {
                                                      " from the forward, got " + forward.to_string());
     if (!forward.ok()) return forward;
     if (forward_again)
-      if (Status e = layer->forward(f, nullptr, nullptr); !e.ok()) return e;
+      if (Status e = layer->forward(call.forward, nullptr, nullptr); !e.ok()) return e;
     EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
-    auto* gp = static_cast<float*>(grads.ptr);
-    BackwardArgs b;
-    b.dy = f.x;
-    b.dx = f.y;
-    b.d_topk_weights = static_cast<float*>(dtw.ptr);
-    b.d_gate = gp;
-    b.d_up = gp + E * I * H;
-    b.d_down = gp + 2 * E * I * H;
-    const Status refused = layer->backward(b, saved, nullptr);
+    const Status refused = layer->backward(call.backward, saved, nullptr);
     if (refused.code() != want)
       return Status(StatusCode::kInternal, "expected " + std::string(to_string(want)) +
                                                ", got " + refused.to_string());
@@ -397,6 +408,76 @@ TEST(LayerBackwardGpu, RefusesUnfusedOrStaleContexts) {
   EXPECT_TRUE(unfused.ok()) << unfused.to_string();
   const Status stale = refused_backward(false, true, StatusCode::kInvalidArgument);
   EXPECT_TRUE(stale.ok()) << stale.to_string();
+}
+
+// Hooks that count the stage boundaries a pass marks and give the megakernel a trace buffer.
+class CountingHooks final : public PassHooks {
+ public:
+  ~CountingHooks() override {
+    if (trace) cudaFree(trace);
+  }
+  cudaError_t stage_boundary(cudaStream_t) override {
+    ++boundaries;
+    return cudaSuccess;
+  }
+  kernels::MegakernelTraceRecord* megakernel_trace(cudaStream_t stream) override {
+    return cudaMemsetAsync(trace, 0xff, bytes, stream) == cudaSuccess ? trace : nullptr;
+  }
+  int boundaries = 0;
+  kernels::MegakernelTraceRecord* trace = nullptr;
+  size_t bytes = 0;
+};
+
+// The instrumentation the benchmark relies on: every pass marks one boundary more than it lists
+// stages (with the fused and the unfused executors), and the megakernels record their tasks.
+TEST(LayerBackwardGpu, HooksSeeEveryStageAndTheMegakernelTasks) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  const LayerConfig c = small_config(1, 64);
+  const Status s = run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
+    std::unique_ptr<LayerCore> layer;
+    if (Status e = LayerCore::create(c, comm, &layer); !e.ok()) return e;
+    OneTokenCall call;
+    if (Status e = call.create(c); !e.ok()) return e;
+    CountingHooks hooks;
+    hooks.bytes = sizeof(kernels::MegakernelTraceRecord) * kernels::kTraceRecordsPerCta *
+                  layer->workspace().sm_count;
+    EPFLOW_TRY_CUDA(cudaMalloc(&hooks.trace, hooks.bytes));
+    auto expect = [](const char* pass, int seen, size_t stages) {
+      return seen == static_cast<int>(stages) + 1
+                 ? Status::ok_status()
+                 : Status(StatusCode::kInternal, std::string(pass) + " marked " +
+                                                     std::to_string(seen) + " boundaries for " +
+                                                     std::to_string(stages) + " stages");
+    };
+    SavedContext saved;
+    if (Status e = layer->forward(call.forward, nullptr, &saved, &hooks); !e.ok()) return e;
+    if (Status e = expect("forward", hooks.boundaries, LayerCore::forward_stage_names().size());
+        !e.ok())
+      return e;
+    EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+    std::vector<kernels::MegakernelTraceRecord> records(hooks.bytes / sizeof(records[0]));
+    EPFLOW_TRY_CUDA(cudaMemcpy(records.data(), hooks.trace, hooks.bytes, cudaMemcpyDeviceToHost));
+    if (std::none_of(records.begin(), records.end(), [](const auto& r) { return r.task >= 0; }))
+      return Status(StatusCode::kInternal, "the forward megakernel recorded no task");
+    hooks.boundaries = 0;
+    if (Status e = layer->backward(call.backward, saved, nullptr, &hooks); !e.ok()) return e;
+    if (Status e = expect("backward", hooks.boundaries, layer->backward_stage_names().size());
+        !e.ok())
+      return e;
+    std::unique_ptr<bench::UnfusedBackward> unfused;
+    if (Status e = bench::UnfusedBackward::create(layer->workspace(), 0, &unfused); !e.ok())
+      return e;
+    layer->set_backward_executor(std::move(unfused));
+    hooks.boundaries = 0;
+    if (Status e = layer->backward(call.backward, saved, nullptr, &hooks); !e.ok()) return e;
+    if (Status e = expect("unfused backward", hooks.boundaries,
+                          layer->backward_stage_names().size());
+        !e.ok())
+      return e;
+    EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+    return Status::ok_status();
+  });
+  EXPECT_TRUE(s.ok()) << s.to_string();
 }
 
 }  // namespace
