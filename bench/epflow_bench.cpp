@@ -1008,10 +1008,10 @@ int run_gpu(const Options& o, int devices) {
                 bench_nccl_cublas_rank(rc, routing, T, o, comm, checked, &r, &y_base[rank]));
             keep_times(r, &base_results[rank]);
           }
-          // NOTES: at once, every GPU busy as during the layer. One GPU after the other gave the
-          // same rates within ~1% in a same-call comparison (docs/benchmarks.md, "Yardstick
-          // order"). The power limiter lets the first ~0.5 s of a busy phase run above the
-          // sustained clock; the default warm-up (Options::warmup) outlasts it at large sizes.
+          // NOTES: at once, every GPU busy as during the layer (one GPU after the other gave the
+          // same rates in a same-call comparison: docs/benchmarks.md, "How we measure"). The
+          // power limiter lets the first part of a busy phase run above the sustained clock; the
+          // default warm-up (Options::warmup) outlasts it at large sizes.
           if (o.yardstick != Options::Yardstick::kOneByOne && !o.check) measure_yardsticks(rank);
           return Status::ok_status();
         });

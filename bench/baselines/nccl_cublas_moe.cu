@@ -659,8 +659,8 @@ Status NcclCublasMoe::Impl::forward(const ForwardArgs& a, const cudaEvent_t* mar
   NCB_RETURN_IF_ERROR(mark(marks, 2));
 
   // 4. Expert FFN: gate/up into the two halves of gate_up, SwiGLU, down into `grouped`.
-  // NOTES: cublasGemmGroupedBatchedEx trails a dense GEMM of the same FLOPs by 1.6-2.6x from 128
-  // rows per expert (docs/benchmarks.md, GEMM section); with the counts on the host (this
+  // NOTES: cublasGemmGroupedBatchedEx trails a dense GEMM of the same FLOPs from 128 rows per
+  // expert (docs/benchmarks.md, history of 2026-11-29); with the counts on the host (this
   // pipeline synchronises for them anyway) a competent user calls one dense GEMM per expert
   // once every expert has many rows, and the grouped API otherwise.
   const int32_t* off = host_expert_offset.as<int32_t>();

@@ -1,0 +1,73 @@
+// epflow-bench's command line: its options, their parsing and the usage text. Apart from the
+// benchmark so that a CPU test (tests/bench/test_bench_options.cpp) runs the parser: no CUDA here.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace epflow::bench {
+
+inline constexpr const char* kNcclCublas = "nccl-cublas";
+inline constexpr const char* kUnfused = "epflow-unfused";  // bench/unfused: separate kernels
+
+struct Options {
+  std::vector<std::string> presets;  // empty: deepseek-v3 on GPUs, tiny on the CPU reference
+  std::vector<int64_t> tokens;       // per rank; empty: 4096 on GPUs, 64 on the CPU reference
+  int32_t ep = 0;                    // ranks; 0: every GPU present (2 simulated on the CPU)
+  // NOTES: 100 untimed calls before the timed ones, for every system and yardstick: at large
+  // sizes that outlasts the first part of a busy phase in which the power limiter still lets a
+  // GPU run above its sustained clock; with a few, a short yardstick ran in that burst while the
+  // layer did not (docs/benchmarks.md, "How we measure"). Each is timed in the state a training
+  // loop keeps it in.
+  int32_t warmup = 100;
+  int32_t iters = 20;
+  // Each point's whole sequence (EPFlow and its variants, baselines, yardsticks) runs this many
+  // times; every reported time and rate is the median over the repeats (each the median of its
+  // iterations), so one run's power history moves the figures less.
+  int32_t repeats = 1;
+  uint64_t seed = 1;
+  std::string json;                                    // write results here as JSON
+  std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
+  bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
+  // Also time EPFlow's backward (default knobs): after one forward that saves its context, the
+  // backward alone, with dy = x and the weight gradients written in bf16 (what the NCCL+PyTorch
+  // baseline's autograd writes for bf16 weights), or fp32 with --grad-dtype fp32.
+  bool backward = false;
+  bool fp32_grads = false;
+  // --backward-unfused: the unfused backward too (separate kernels; its stages).
+  bool backward_unfused = false;
+  // --backward-side-sms: the unfused backward again with each of these side-stream SM counts.
+  std::vector<int64_t> backward_side_sms;
+  // --backward-comm-sms: the backward megakernel again with each of these communication SMs.
+  std::vector<int64_t> backward_comm_sms;
+  // Knob sweep: EPFlow also runs with every (comm SMs, minibatch rows) pair of these lists.
+  std::vector<int64_t> sweep_comm_sms, sweep_minibatch_rows, sweep_ring_rows;
+  std::string trace;  // prefix of per-task megakernel traces (CSV), empty: none
+  // How the yardsticks run: on every GPU at once after the systems, one GPU after the other, or
+  // (dense GEMMs) between the layer's own calls.
+  enum class Yardstick { kAtOnce, kOneByOne, kInterleaved } yardstick = Yardstick::kAtOnce;
+};
+
+// A yardstick mode's name (JSON, --yardstick) and how the printout words it.
+struct YardstickMode {
+  const char* name;
+  const char* words;
+};
+YardstickMode yardstick_mode(Options::Yardstick y);
+
+struct ParseResult {
+  enum class Outcome { kOk, kHelp, kError } outcome = Outcome::kOk;
+  Options options;    // kOk: what the command line asked for
+  std::string error;  // kError: one line naming the flag and its value, without the program name
+};
+
+// The command line argv[1..argc). Besides the values themselves, checks that the --json file and
+// the --trace folder can be written, so that a bad path fails before minutes of GPU work.
+ParseResult parse_options(int argc, const char* const* argv);
+
+// The whole usage (--help), and the two lines printed after an error.
+std::string usage_text();
+std::string short_usage_text();
+
+}  // namespace epflow::bench
