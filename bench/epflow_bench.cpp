@@ -849,7 +849,7 @@ void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c,
   std::printf("  %-26s %10.1f %12.1f\n", "layer", slow.total_us, flops / slow.total_us * 1e-6);
   std::printf("  %-26s %10.1f\n", "metadata+schedule", slow.stage_us[0]);
   const double mk = slow.stage_us[1] + slow.stage_us[2];
-  std::printf("  %-26s %10.1f %12.1f %14.1f %10.1f\n", "megakernel (dispatch+FFN+combine)", mk,
+  std::printf("  %-26s %10.1f %12.1f %14.1f %10.1f\n", "megakernel (fused stages)", mk,
               ffn_flops / mk * 1e-6, nvlink_bytes * 1e-6, nvlink_bytes / mk * 1e-3);
   std::printf("  %-26s %10.1f\n", "barrier+sum", slow.stage_us[3]);
   if (ranks.size() < 2) return;
