@@ -88,24 +88,16 @@ void check_with_knobs(int world, int32_t comm_sms, int64_t minibatch_rows, int64
 
 // Rings of 1, 2 and 3 tiles against up to 19 tiles of routed rows per call: every call cycles
 // macrobatches, and the dispatch of one overlaps the compute of the previous.
-TEST(LayerGpu, RingSmallerThanRoutedRows) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  for (int world : {1, 2}) {
-    if (testing::device_count() < world) continue;
-    for (int64_t ring : {128, 256, 384}) check_with_knobs(world, 0, 128, ring, 20);
-  }
+void ring_smaller_than_routed_rows(int world) {
+  for (int64_t ring : {128, 256, 384}) check_with_knobs(world, 0, 128, ring, 20);
 }
 
-TEST(LayerGpu, SmSplitsAndMinibatchSizes) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const int world = testing::device_count() >= 2 ? 2 : 1;
+void sm_splits_and_minibatch_sizes(int world) {
   for (auto [comm_sms, minibatch] : {std::pair{1, 128}, {8, 256}, {40, 512}, {100, 0}})
     check_with_knobs(world, comm_sms, minibatch, 0, 30);
 }
 
-TEST(LayerGpu, CapturedInCudaGraph) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const int world = testing::device_count() >= 2 ? 2 : 1;
+void captured_in_cuda_graph(int world) {
   LayerConfig c = small_config(world, 600);
   c.ring_rows = 256;  // wraps too
   c.minibatch_rows = 128;
@@ -115,14 +107,28 @@ TEST(LayerGpu, CapturedInCudaGraph) {
   run_and_check(c, mixed_calls(c, world, 40), 1 << 30, 5, graph);
 }
 
-TEST(LayerGpu, UnfusedChainMatchesReference) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const int world = testing::device_count() >= 2 ? 2 : 1;
+void unfused_chain_matches_reference(int world) {
   const LayerConfig c = small_config(world, 600);
   testing::RunOptions unfused;
   unfused.unfused = true;
   run_and_check(c, mixed_calls(c, world, 50), 1 << 30, 5, unfused);
 }
+
+// Each case at EP=1, and at EP=2 where two GPUs are present (else it reports a skip).
+#define EPFLOW_EP1_AND_EP2_TESTS(name, fn) \
+  TEST(LayerGpu, name##Ep1) {             \
+    EPFLOW_SKIP_WITHOUT_GPUS(1);          \
+    fn(1);                                \
+  }                                       \
+  TEST(LayerGpu, name##Ep2) {             \
+    EPFLOW_SKIP_WITHOUT_GPUS(2);          \
+    fn(2);                                \
+  }
+
+EPFLOW_EP1_AND_EP2_TESTS(RingSmallerThanRoutedRows, ring_smaller_than_routed_rows)
+EPFLOW_EP1_AND_EP2_TESTS(SmSplitsAndMinibatchSizes, sm_splits_and_minibatch_sizes)
+EPFLOW_EP1_AND_EP2_TESTS(CapturedInCudaGraph, captured_in_cuda_graph)
+EPFLOW_EP1_AND_EP2_TESTS(UnfusedChainMatchesReference, unfused_chain_matches_reference)
 
 // DeepSeek-V3 per-rank shape: H 7168, I 2048, 32 experts per rank, top-8; T = 1, 100, 4096 on
 // every rank (sampled reference check: 48 tokens per rank; every element checked as written).
@@ -136,15 +142,7 @@ void deepseek_v3(int world) {
   run_and_check(c, calls, 48);
 }
 
-TEST(LayerGpu, DeepSeekV3ShapeEp1) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  deepseek_v3(1);
-}
-
-TEST(LayerGpu, DeepSeekV3ShapeEp2) {
-  EPFLOW_SKIP_WITHOUT_GPUS(2);
-  deepseek_v3(2);
-}
+EPFLOW_EP1_AND_EP2_TESTS(DeepSeekV3Shape, deepseek_v3)
 
 // Back to back calls at a small token count of a narrow-expert shape (Qwen3-30B-A3B per rank:
 // H 2048, I 768, 16 experts, top-8), where most row tiles are partial and many consumer
@@ -152,9 +150,7 @@ TEST(LayerGpu, DeepSeekV3ShapeEp2) {
 // calls (a warp of a padding warpgroup fell a ring behind). 200 calls per rank, each output
 // bit-identical to the first (the layer is deterministic), the first checked against the CPU
 // reference.
-TEST(LayerGpu, ManyCallsAtSmallTokenCounts) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const int world = testing::device_count() >= 2 ? 2 : 1;
+void many_calls_at_small_token_counts(int world) {
   const LayerConfig c = shape_config(world, 2048, 768, 16, 8, 512);
   testing::RunOptions repeated;
   repeated.repeat = 200;
@@ -162,6 +158,7 @@ TEST(LayerGpu, ManyCallsAtSmallTokenCounts) {
                 {testing::make_call(c, std::vector<int64_t>(world, 512), Routing::kUniform, 70)},
                 64, 5, repeated);
 }
+EPFLOW_EP1_AND_EP2_TESTS(ManyCallsAtSmallTokenCounts, many_calls_at_small_token_counts)
 
 // A wait that runs out of time ends the call with an error naming who waited for what, never a
 // hang: with a 1 us timeout and a ring of one tile, the dispatch of tile 1 waits for the gate/up
