@@ -907,12 +907,7 @@ int run_gpu(const Options& o, int devices) {
   std::printf("epflow-bench: %d x %s, EP=%d, bf16, median of %d iterations after %d warm-up\n", ep,
               device.c_str(), ep, o.iters, o.warmup);
   if (nccl_cublas)
-    std::printf(
-        "baseline nccl-cublas: counting-sort permute, ncclAllGather of counts + host sync, "
-        "ncclSend/Recv all-to-all,\n  group by expert + host sync, cublasGemmGroupedBatchedEx (one "
-        "cublasGemmEx per expert from 256 rows per expert) + SwiGLU kernel, all-to-all back,\n  "
-        "weighted sum; one stream per rank, whole call timed with CUDA events (host syncs "
-        "included)\n");
+    std::printf("baseline nccl-cublas: %s\n", bench::NcclCublasMoe::kDescription);
   if (o.check)
     std::printf("--check: every token's y against the CPU reference, rel. error <= %.0e\n",
                 kRelTol);

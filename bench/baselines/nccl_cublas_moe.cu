@@ -163,26 +163,32 @@ __global__ void scatter_rows(uint4* __restrict__ dst, const uint4* __restrict__ 
   }
 }
 
-// dst row i = src row pos[i], for i < n (every pos valid). One warp per row.
-__global__ void gather_rows(uint4* __restrict__ dst, const uint4* __restrict__ src,
-                            const int32_t* __restrict__ pos, int64_t n, int64_t vecs) {
+// Rows between receive order (by source rank, then local expert) and expert order (by local
+// expert, then source rank). Block b = s * E + e of the receive order starts at row
+// recv_start[b] (nondecreasing, recv_start[blocks] = rows) and lands at row grouped_start[b].
+// to_grouped: grouped row = recv row i; otherwise recv row i = grouped row. One warp per row i.
+__global__ void permute_blocks(uint4* __restrict__ grouped, uint4* __restrict__ recv,
+                               const int32_t* __restrict__ recv_start,
+                               const int32_t* __restrict__ grouped_start, int32_t blocks,
+                               int64_t rows, int64_t vecs, bool to_grouped) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t warps = int64_t{gridDim.x} * blockDim.x / 32;
-  for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32; i < n; i += warps) {
-    const uint4* s = src + int64_t{pos[i]} * vecs;
-    uint4* d = dst + i * vecs;
+  for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32; i < rows; i += warps) {
+    // The last block starting at or before i: recv_start[lo] <= i < recv_start[hi] throughout
+    // (recv_start[0] = 0, recv_start[blocks] = rows), so it is the non-empty block holding i.
+    int32_t lo = 0, hi = blocks;
+    while (hi - lo > 1) {
+      const int32_t mid = lo + (hi - lo) / 2;
+      if (recv_start[mid] <= i)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    const int64_t g = grouped_start[lo] + (i - recv_start[lo]);
+    uint4* d = to_grouped ? grouped + g * vecs : recv + i * vecs;
+    const uint4* s = to_grouped ? recv + i * vecs : grouped + g * vecs;
     for (int64_t v = lane; v < vecs; v += 32) d[v] = s[v];
   }
-}
-
-// local_expert[pos[s]] = topk_idx[s] % experts_per_rank for every routed slot s < n.
-__global__ void scatter_local_expert(int32_t* __restrict__ local_expert,
-                                     const int32_t* __restrict__ topk_idx,
-                                     const int32_t* __restrict__ pos, int64_t n,
-                                     int32_t experts_per_rank) {
-  for (int64_t s = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; s < n;
-       s += int64_t{gridDim.x} * blockDim.x)
-    if (pos[s] >= 0) local_expert[pos[s]] = topk_idx[s] % experts_per_rank;
 }
 
 // y[t] = bf16(sum over k in order of topk_weights[t, k] * rows[pos[t * K + k]]) in fp32; slots
@@ -218,7 +224,7 @@ __global__ void weighted_sum(uint4* __restrict__ y, const uint4* __restrict__ ro
 // --- host helpers -------------------------------------------------------------------------------
 
 // Device memory that only grows (contents are not kept). Growth frees first: callers grow only
-// while the stream is synchronised.
+// buffers that no queued work uses.
 class DeviceMem {
  public:
   DeviceMem() = default;
@@ -254,7 +260,8 @@ class DeviceMem {
   size_t bytes_ = 0;
 };
 
-// Pinned host memory: the counts come back through it and the GEMM pointer arrays go out.
+// Pinned host memory: the counts come back through it, the plan (block table, GEMM pointer
+// arrays) goes out.
 class PinnedMem {
  public:
   PinnedMem() = default;
@@ -344,38 +351,44 @@ struct NcclCublasMoe::Impl {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
+  cudaEvent_t counts_ready = nullptr;     // recorded after the counts' copy to the host
   int32_t P = 0, rank = 0, E = 0, K = 0;  // ranks, this rank, experts per rank, top-k
+  int32_t blocks = 0;  // P * E: global experts = (source rank, local expert) blocks received
   int64_t H = 0, I = 0;
+  int64_t table_bytes = 0, plan_bytes = 0;  // host_plan's block table; all of it (see plan())
 
-  // Fixed, sized by max_tokens_per_rank * K slots.
-  DeviceMem slot_pos;       // [S]: each slot's row in the send buffer, -1 unrouted
-  DeviceMem home_rows;      // [S, H]: rows sent out, then the same rows' results coming back
-  DeviceMem send_expert;    // [S]: local expert id of each sent row
-  DeviceMem send_hist;      // the route sort's histogram
-  DeviceMem send_offset;    // [P * E + 1]: first send row of each global expert (sort scratch)
-  DeviceMem send_info;      // [P + 1]: rows for each destination, then this rank's bad ids
-  DeviceMem all_info;       // [P, P + 1]: every rank's send_info (ncclAllGather)
-  DeviceMem expert_offset;  // [E + 1]: first grouped row of each local expert
-  DeviceMem gemm_ptrs;      // [9 * E]: the grouped GEMMs' A, B, C arrays (layout in plan_ffn)
-  PinnedMem host_info, host_expert_offset, host_ptrs;  // host copies of the three above
+  // Fixed: the fused weight, and buffers sized by max_tokens_per_rank * K slots or by P and E.
+  DeviceMem gate_up_w;               // [E, 2I, H]: expert e's gate rows, then its up rows
+  const bf16* fused_gate = nullptr;  // the gate and up pointers gate_up_w was copied from
+  const bf16* fused_up = nullptr;
+  DeviceMem slot_pos;     // [S]: each slot's row in the send buffer, -1 unrouted
+  DeviceMem home_rows;    // [S, H]: rows sent out, then the same rows' results coming back
+  DeviceMem send_hist;    // the route sort's histogram
+  DeviceMem send_offset;  // [P * E + 1]: first send row of each global expert (sort scratch)
+  DeviceMem counts;       // [P * E + 1]: rows for each global expert, then this rank's bad ids
+  DeviceMem all_counts;   // [P, P * E + 1]: every rank's counts (ncclAllGather)
+  DeviceMem plan_dev;     // [plan_bytes]: host_plan uploaded
+  PinnedMem host_counts, host_plan;  // all_counts downloaded; the plan (layout in plan())
 
   // Grow-only, sized by the rows this rank receives (R).
   int64_t recv_capacity = -1;
-  DeviceMem recv_rows;    // [R, H]: rows as received, then their results in that order
-  DeviceMem recv_expert;  // [R]
-  DeviceMem recv_pos;     // [R]: each received row's place in expert order
-  DeviceMem recv_hist;    // the grouping sort's histogram
-  DeviceMem grouped;      // [R, H]: rows in expert order, then the down GEMM's output
-  DeviceMem gate_up;      // [R, 2I]
-  DeviceMem h;            // [R, I]
+  DeviceMem recv_rows;  // [R, H]: rows as received, then their results in that order
+  DeviceMem grouped;    // [R, H]: rows in expert order, then the down GEMM's output
+  DeviceMem gate_up;    // [R, 2I]
+  DeviceMem h;          // [R, I]
 
-  // Per call, on the host.
+  // Per call, on the host: plan()'s results.
   std::vector<int64_t> send_count, send_off, recv_count, recv_off;  // [P], [P + 1], ...
-  std::vector<int32_t> expert_order;
+  std::vector<int64_t> expert_off, expert_next;  // [E + 1]: first row of each expert; [E] scratch
+  std::vector<int32_t> expert_order;             // non-empty experts by ascending row count
+  int64_t R = 0;                                 // rows received
+  bool in_order = false;  // the received order already is expert order: no permutation
+  bool dense = false;     // one cublasGemmEx per expert and projection, not the grouped calls
   GroupedCall gu_call, down_call;
 
   ~Impl() {
     if (blas) cublasDestroy(blas);
+    if (counts_ready) cudaEventDestroy(counts_ready);
   }
 
   template <typename... Parts>
@@ -402,13 +415,17 @@ struct NcclCublasMoe::Impl {
   Status mark(const cudaEvent_t* marks, int i) const {
     return marks ? cuda(cudaEventRecord(marks[i], stream), "cudaEventRecord") : Status();
   }
-  // The host sync of the pipeline; NCCL errors raised asynchronously surface here too.
-  Status sync(const char* what) const {
-    NCB_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream), what));
+  // The pipeline's one host sync: until the counts are on the host. NCCL errors raised
+  // asynchronously surface here too.
+  Status wait_for_counts() const {
+    NCB_RETURN_IF_ERROR(
+        cuda(cudaEventSynchronize(counts_ready), "cudaEventSynchronize (row counts)"));
     ncclResult_t async = ncclSuccess;
     NCB_RETURN_IF_ERROR(nccl(ncclCommGetAsyncError(comm, &async), "ncclCommGetAsyncError"));
-    return nccl(async, what);
+    return nccl(async, "row counts");
   }
+  // Where the FFN reads its input rows and writes its output rows, in expert order.
+  bf16* ffn_rows() const { return in_order ? recv_rows.as<bf16>() : grouped.as<bf16>(); }
 
   struct Piece {
     DeviceMem* mem;
@@ -421,54 +438,74 @@ struct NcclCublasMoe::Impl {
 
   Status allocate();
   Status reserve_received(int64_t rows);
+  Status fuse_weights(const ExpertWeights& w);
   Status enqueue_sort(const int32_t* keys, const SortShape& s, DeviceMem& hist,
                       int32_t* bucket_offset, int32_t per_group, int32_t* group_count, int32_t* bad,
                       int32_t* pos, const char* what);
-  Status exchange_rows(const bf16* send, bf16* recv, bool with_expert_ids, bool back,
-                       const char* what);
-  Status plan_ffn(const ForwardArgs& a, int64_t received);
+  Status exchange_rows(const bf16* send, bf16* recv, bool back, const char* what);
+  Status permute(bool to_grouped, const char* what);
+  Status plan(const ForwardArgs& a);
   Status forward(const ForwardArgs& a, const cudaEvent_t* marks);
 };
 
 Status NcclCublasMoe::Impl::allocate() {
   const int64_t S = c.max_tokens_per_rank * K;
+  table_bytes = ceil_div((2 * int64_t{blocks} + 1) * 4, 16) * 16;  // pointers follow, aligned
+  plan_bytes = table_bytes + 6 * E * int64_t{sizeof(void*)};
   for (const Piece& p :
-       {Piece{&slot_pos, S * 4, "cudaMalloc (slot positions)"},
+       {Piece{&gate_up_w, E * 2 * I * H * 2, "cudaMalloc (fused gate|up weight)"},
+        Piece{&slot_pos, S * 4, "cudaMalloc (slot positions)"},
         Piece{&home_rows, S * H * 2, "cudaMalloc (send/return rows)"},
-        Piece{&send_expert, S * 4, "cudaMalloc (sent expert ids)"},
-        Piece{&send_hist, histogram_bound(S, P * E) * 4, "cudaMalloc (route histogram)"},
-        Piece{&send_offset, (int64_t{P} * E + 1) * 4, "cudaMalloc (offsets)"},
-        Piece{&send_info, (P + 1) * 4, "cudaMalloc (send counts)"},
-        Piece{&all_info, int64_t{P} * (P + 1) * 4, "cudaMalloc (all counts)"},
-        Piece{&expert_offset, (E + 1) * 4, "cudaMalloc (expert offsets)"},
-        Piece{&gemm_ptrs, 9 * E * int64_t{sizeof(void*)},
-              "cudaMalloc (grouped GEMM pointer arrays)"}})
+        Piece{&send_hist, histogram_bound(S, blocks) * 4, "cudaMalloc (route histogram)"},
+        Piece{&send_offset, (int64_t{blocks} + 1) * 4, "cudaMalloc (offsets)"},
+        Piece{&counts, (int64_t{blocks} + 1) * 4, "cudaMalloc (send counts)"},
+        Piece{&all_counts, int64_t{P} * (blocks + 1) * 4, "cudaMalloc (all counts)"},
+        Piece{&plan_dev, plan_bytes, "cudaMalloc (block table, GEMM pointer arrays)"}})
     NCB_RETURN_IF_ERROR(reserve(p));
   NCB_RETURN_IF_ERROR(
-      cuda(host_info.allocate(int64_t{P} * (P + 1) * 4), "cudaMallocHost (counts)"));
-  NCB_RETURN_IF_ERROR(
-      cuda(host_expert_offset.allocate((E + 1) * 4), "cudaMallocHost (expert offsets)"));
-  NCB_RETURN_IF_ERROR(
-      cuda(host_ptrs.allocate(9 * E * sizeof(void*)), "cudaMallocHost (GEMM pointer arrays)"));
+      cuda(host_counts.allocate(int64_t{P} * (blocks + 1) * 4), "cudaMallocHost (counts)"));
+  NCB_RETURN_IF_ERROR(cuda(host_plan.allocate(plan_bytes), "cudaMallocHost (plan)"));
+  NCB_RETURN_IF_ERROR(cuda(cudaEventCreateWithFlags(&counts_ready, cudaEventDisableTiming),
+                           "cudaEventCreateWithFlags"));
   send_count.resize(P);
   recv_count.resize(P);
   send_off.resize(P + 1);
   recv_off.resize(P + 1);
+  expert_off.resize(E + 1);
+  expert_next.resize(E);
   return Status::ok_status();
 }
 
+// Called after the host sync; cudaFree itself waits for the device, and nothing in flight then
+// (the send buffer's permutation) touches these buffers.
 Status NcclCublasMoe::Impl::reserve_received(int64_t rows) {
   if (rows <= recv_capacity) return Status::ok_status();
-  for (const Piece& p :
-       {Piece{&recv_rows, rows * H * 2, "cudaMalloc (received rows)"},
-        Piece{&recv_expert, rows * 4, "cudaMalloc (received expert ids)"},
-        Piece{&recv_pos, rows * 4, "cudaMalloc (received row positions)"},
-        Piece{&recv_hist, histogram_bound(rows, E) * 4, "cudaMalloc (grouping histogram)"},
-        Piece{&grouped, rows * H * 2, "cudaMalloc (grouped rows)"},
-        Piece{&gate_up, rows * 2 * I * 2, "cudaMalloc (gate/up output)"},
-        Piece{&h, rows * I * 2, "cudaMalloc (SwiGLU output)"}})
+  for (const Piece& p : {Piece{&recv_rows, rows * H * 2, "cudaMalloc (received rows)"},
+                         Piece{&grouped, rows * H * 2, "cudaMalloc (grouped rows)"},
+                         Piece{&gate_up, rows * 2 * I * 2, "cudaMalloc (gate|up output)"},
+                         Piece{&h, rows * I * 2, "cudaMalloc (SwiGLU output)"}})
     NCB_RETURN_IF_ERROR(reserve(p));
   recv_capacity = rows;
+  return Status::ok_status();
+}
+
+// The fused gate|up weight from the caller's gate and up [E, I, H] (what a user would store:
+// the weight of one GEMM). Stream-ordered copies, made only for pointers not fused before.
+Status NcclCublasMoe::Impl::fuse_weights(const ExpertWeights& w) {
+  if (w.gate == fused_gate && w.up == fused_up) return Status::ok_status();
+  fused_gate = fused_up = nullptr;  // set again once every copy is enqueued
+  bf16* fused = gate_up_w.as<bf16>();
+  const int64_t n = I * H;  // one projection of one expert
+  for (int64_t e = 0; e < E; ++e) {
+    NCB_RETURN_IF_ERROR(cuda(
+        cudaMemcpyAsync(fused + 2 * e * n, w.gate + e * n, n * 2, cudaMemcpyDeviceToDevice, stream),
+        "cudaMemcpyAsync (fused gate|up weight, gate)"));
+    NCB_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(fused + 2 * e * n + n, w.up + e * n, n * 2,
+                                             cudaMemcpyDeviceToDevice, stream),
+                             "cudaMemcpyAsync (fused gate|up weight, up)"));
+  }
+  fused_gate = w.gate;
+  fused_up = w.up;
   return Status::ok_status();
 }
 
@@ -477,10 +514,10 @@ Status NcclCublasMoe::Impl::enqueue_sort(const int32_t* keys, const SortShape& s
                                          int32_t* group_count, int32_t* bad, int32_t* pos,
                                          const char* what) {
   NCB_RETURN_IF_ERROR(cuda(cudaMemsetAsync(hist.as<int32_t>(), 0, s.entries() * 4, stream), what));
-  const unsigned blocks = static_cast<unsigned>(ceil_div(s.chunks, kSortWarpsPerBlock));
+  const unsigned grid = static_cast<unsigned>(ceil_div(s.chunks, kSortWarpsPerBlock));
   if (s.n > 0) {
-    sort_histogram<<<blocks, kSortWarpsPerBlock * 32, 0, stream>>>(
-        keys, s.n, s.buckets, s.chunk, s.chunks, hist.as<int32_t>(), bad);
+    sort_histogram<<<grid, kSortWarpsPerBlock * 32, 0, stream>>>(keys, s.n, s.buckets, s.chunk,
+                                                                 s.chunks, hist.as<int32_t>(), bad);
     NCB_RETURN_IF_ERROR(launched("sort_histogram"));
   }
   // Even with no keys: the offsets and counts must be written (as zeros).
@@ -488,18 +525,18 @@ Status NcclCublasMoe::Impl::enqueue_sort(const int32_t* keys, const SortShape& s
                                             per_group, group_count);
   NCB_RETURN_IF_ERROR(launched("sort_scan"));
   if (s.n > 0) {
-    sort_positions<<<blocks, kSortWarpsPerBlock * 32, 0, stream>>>(
-        keys, s.n, s.buckets, s.chunk, s.chunks, hist.as<int32_t>(), pos);
+    sort_positions<<<grid, kSortWarpsPerBlock * 32, 0, stream>>>(keys, s.n, s.buckets, s.chunk,
+                                                                 s.chunks, hist.as<int32_t>(), pos);
     NCB_RETURN_IF_ERROR(launched("sort_positions"));
   }
   return Status::ok_status();
 }
 
-// One all-to-all of rows (and, on the way out, their local expert ids) in one NCCL group.
-// Outbound (back = false): send[send_off[p]..] to p, recv[recv_off[p]..] from p; back = true
-// swaps the two sides (results return the way the rows came).
-Status NcclCublasMoe::Impl::exchange_rows(const bf16* send, bf16* recv, bool with_expert_ids,
-                                          bool back, const char* what) {
+// One all-to-all of rows in one NCCL group. Outbound (back = false): send[send_off[p]..] to p,
+// recv[recv_off[p]..] from p; back = true swaps the two sides (results return the way the rows
+// came).
+Status NcclCublasMoe::Impl::exchange_rows(const bf16* send, bf16* recv, bool back,
+                                          const char* what) {
   const auto& out_count = back ? recv_count : send_count;
   const auto& out_off = back ? recv_off : send_off;
   const auto& in_count = back ? send_count : recv_count;
@@ -511,74 +548,129 @@ Status NcclCublasMoe::Impl::exchange_rows(const bf16* send, bf16* recv, bool wit
     if (first.ok()) std::swap(first, s);
   };
   for (int32_t p = 0; p < P; ++p) {
-    if (out_count[p] > 0) {
+    if (out_count[p] > 0)
       keep(nccl(ncclSend(send + out_off[p] * H, static_cast<size_t>(out_count[p] * H), ncclBfloat16,
                          p, comm, stream),
                 "ncclSend (rows)"));
-      if (with_expert_ids)
-        keep(nccl(ncclSend(send_expert.as<int32_t>() + out_off[p],
-                           static_cast<size_t>(out_count[p]), ncclInt32, p, comm, stream),
-                  "ncclSend (expert ids)"));
-    }
-    if (in_count[p] > 0) {
+    if (in_count[p] > 0)
       keep(nccl(ncclRecv(recv + in_off[p] * H, static_cast<size_t>(in_count[p] * H), ncclBfloat16,
                          p, comm, stream),
                 "ncclRecv (rows)"));
-      if (with_expert_ids)
-        keep(nccl(ncclRecv(recv_expert.as<int32_t>() + in_off[p], static_cast<size_t>(in_count[p]),
-                           ncclInt32, p, comm, stream),
-                  "ncclRecv (expert ids)"));
-    }
   }
   keep(nccl(ncclGroupEnd(), what));
   return first;
 }
 
-// The grouped GEMMs' per-group arrays on the host and pointer arrays on the device, from the
-// per-expert offsets just copied back. Experts are taken in order of their row counts so equal
-// counts form one group (all of them for balanced routing); empty experts get no problem.
-// gemm_ptrs layout: gate/up A, B, C (2 per expert: gate, up) at [0, 2E), [2E, 4E), [4E, 6E);
-// down A, B, C at [6E, 7E), [7E, 8E), [8E, 9E).
-Status NcclCublasMoe::Impl::plan_ffn(const ForwardArgs& a, int64_t received) {
-  const int32_t* off = host_expert_offset.as<int32_t>();
-  if (off[E] != received)
-    return error(StatusCode::kInternal, "grouping by expert kept ", off[E], " of ", received,
-                 " received rows");
+// Received rows into expert order (to_grouped) or back, by the uploaded block table.
+Status NcclCublasMoe::Impl::permute(bool to_grouped, const char* what) {
+  if (R == 0 || in_order) return Status::ok_status();
+  const int32_t* table = plan_dev.as<int32_t>();
+  permute_blocks<<<grid_for(R, kRowWarpsPerBlock), kRowWarpsPerBlock * 32, 0, stream>>>(
+      grouped.as<uint4>(), recv_rows.as<uint4>(), table, table + blocks + 1, blocks, R, H / kVec,
+      to_grouped);
+  return launched(what);
+}
+
+// Everything this call needs from every rank's counts, on the host right after the sync: the
+// bad-id error (every rank sees every rank's, so all of them stop here together), the all-to-all
+// splits, the block table from received order to expert order, the received buffers, the FFN's
+// GEMM calls. Received rows come by source rank; within a source, by local expert (the sender's
+// sort order); within a (source, expert) block, in the sender's slot order. Expert order is by
+// local expert, then source rank, then slot order.
+// host_plan layout: int32 recv_start[P * E + 1] and grouped_start[P * E] (block b = source * E +
+// local expert, in received order; recv_start[P * E] = R), padded to table_bytes; then the grouped
+// GEMMs' pointer arrays: gate|up A, B, C at [0, E), [E, 2E), [2E, 3E); down A, B, C at [3E, 4E),
+// [4E, 5E), [5E, 6E).
+Status NcclCublasMoe::Impl::plan(const ForwardArgs& a) {
+  const int32_t* all = host_counts.as<int32_t>();
+  const int64_t per_rank = int64_t{blocks} + 1;
+  for (int32_t src = 0; src < P; ++src)
+    if (const int32_t bad = all[src * per_rank + blocks]; bad > 0)
+      return error(StatusCode::kInvalidArgument, "rank ", src, " has ", bad,
+                   " topk_idx entries outside [-1, num_experts=", c.num_experts, ")");
+  // Rows rank s sends to rank p's local expert e.
+  auto count = [&](int32_t s, int32_t p, int32_t e) -> int64_t {
+    return all[s * per_rank + int64_t{p} * E + e];
+  };
+  send_off[0] = recv_off[0] = 0;
+  for (int32_t p = 0; p < P; ++p) {
+    send_count[p] = recv_count[p] = 0;
+    for (int32_t e = 0; e < E; ++e) {
+      send_count[p] += count(rank, p, e);
+      recv_count[p] += count(p, rank, e);
+    }
+    send_off[p + 1] = send_off[p] + send_count[p];
+    recv_off[p + 1] = recv_off[p] + recv_count[p];
+  }
+  R = recv_off[P];
+  if (R > INT32_MAX)
+    return error(StatusCode::kInvalidArgument, R, " received rows exceed int32 row positions");
+  expert_off[0] = 0;
+  for (int32_t e = 0; e < E; ++e) {
+    int64_t rows = 0;
+    for (int32_t s = 0; s < P; ++s) rows += count(s, rank, e);
+    expert_off[e + 1] = expert_off[e] + rows;
+  }
+  int32_t* recv_start = host_plan.as<int32_t>();
+  int32_t* grouped_start = recv_start + blocks + 1;
+  std::copy(expert_off.begin(), expert_off.end() - 1, expert_next.begin());
+  in_order = true;
+  int64_t row = 0;  // in received order
+  for (int32_t s = 0; s < P; ++s)
+    for (int32_t e = 0; e < E; ++e) {
+      const int32_t b = s * E + e;
+      const int64_t n = count(s, rank, e);
+      recv_start[b] = static_cast<int32_t>(row);
+      grouped_start[b] = static_cast<int32_t>(expert_next[e]);
+      in_order = in_order && (n == 0 || expert_next[e] == row);
+      expert_next[e] += n;
+      row += n;
+    }
+  recv_start[blocks] = static_cast<int32_t>(R);
+  NCB_RETURN_IF_ERROR(reserve_received(R));
+
+  // Experts taken in order of their row counts, so equal counts form one group of the grouped
+  // calls (all of them for balanced routing); empty experts get no GEMM.
   expert_order.clear();
   for (int32_t e = 0; e < E; ++e)
-    if (off[e + 1] > off[e]) expert_order.push_back(e);
+    if (expert_off[e + 1] > expert_off[e]) expert_order.push_back(e);
+  auto rows_of = [&](int32_t e) { return expert_off[e + 1] - expert_off[e]; };
   std::stable_sort(expert_order.begin(), expert_order.end(),
-                   [&](int32_t x, int32_t y) { return off[x + 1] - off[x] < off[y + 1] - off[y]; });
+                   [&](int32_t x, int32_t y) { return rows_of(x) < rows_of(y); });
+  // NOTES: cublasGemmGroupedBatchedEx trails a dense GEMM of the same FLOPs once experts have
+  // many rows (docs/benchmarks.md, history of 2026-11-29); with the counts on the host (this
+  // pipeline synchronises for them anyway) a competent user calls one dense GEMM per expert
+  // once every expert has many rows, and the grouped API otherwise.
+  dense = !expert_order.empty() && rows_of(expert_order.front()) >= kDenseGemmRows;
+  if (dense || R == 0) return Status::ok_status();
+
   gu_call.clear();
   down_call.clear();
-  const void** ptr = host_ptrs.as<const void*>();
-  const bf16* x = grouped.as<bf16>();
+  const void** ptr = reinterpret_cast<const void**>(host_plan.as<char>() + table_bytes);
+  const bf16* w_gu = gate_up_w.as<bf16>();
+  bf16* rows = ffn_rows();
   bf16* gu = gate_up.as<bf16>();
+  const bf16* hp = h.as<bf16>();
   const int Hi = static_cast<int>(H), Ii = static_cast<int>(I);  // checked in create()
-  // Expert q of the order is problem q of the down call, problems 2q, 2q + 1 of gate/up.
+  // Expert q of the order is problem q of both calls.
   for (size_t q = 0; q < expert_order.size(); ++q) {
     const int32_t e = expert_order[q];
-    const int rows = off[e + 1] - off[e];
-    if (q == 0 || rows != off[expert_order[q - 1] + 1] - off[expert_order[q - 1]]) {
-      gu_call.add_group(Ii, rows, Hi, Hi, 2 * Ii);
-      down_call.add_group(Hi, rows, Ii, Ii, Hi);
+    const int n = static_cast<int>(rows_of(e));
+    if (q == 0 || n != rows_of(expert_order[q - 1])) {
+      gu_call.add_group(2 * Ii, n, Hi, Hi, 2 * Ii);
+      down_call.add_group(Hi, n, Ii, Ii, Hi);
     }
-    gu_call.group_size.back() += 2;
+    gu_call.group_size.back() += 1;
     down_call.group_size.back() += 1;
-    const int64_t r0 = off[e];
-    ptr[2 * q] = a.weights.gate + e * I * H;
-    ptr[2 * q + 1] = a.weights.up + e * I * H;
-    ptr[2 * E + 2 * q] = ptr[2 * E + 2 * q + 1] = x + r0 * H;
-    ptr[4 * E + 2 * q] = gu + r0 * 2 * I;
-    ptr[4 * E + 2 * q + 1] = gu + r0 * 2 * I + I;
-    ptr[6 * E + q] = a.weights.down + e * H * I;
-    ptr[7 * E + q] = h.as<bf16>() + r0 * I;
-    ptr[8 * E + q] = grouped.as<bf16>() + r0 * H;  // x is dead once gate/up has run
+    const int64_t r0 = expert_off[e];
+    ptr[q] = w_gu + e * 2 * I * H;
+    ptr[E + q] = rows + r0 * H;
+    ptr[2 * E + q] = gu + r0 * 2 * I;
+    ptr[3 * E + q] = a.weights.down + e * H * I;
+    ptr[4 * E + q] = hp + r0 * I;
+    ptr[5 * E + q] = rows + r0 * H;  // the input rows are dead once gate|up has run
   }
-  // host_ptrs and gemm_ptrs are free: the last call's upload and GEMMs ended before our syncs.
-  return cuda(cudaMemcpyAsync(gemm_ptrs.as<void>(), ptr, 9 * E * sizeof(void*),
-                              cudaMemcpyHostToDevice, stream),
-              "cudaMemcpyAsync (grouped GEMM pointer arrays)");
+  return Status::ok_status();
 }
 
 Status NcclCublasMoe::Impl::forward(const ForwardArgs& a, const cudaEvent_t* marks) {
@@ -593,133 +685,97 @@ Status NcclCublasMoe::Impl::forward(const ForwardArgs& a, const cudaEvent_t* mar
     return error(StatusCode::kInvalidArgument, "x, topk_idx, topk_weights and y must be set");
   if (T > 0 && ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.y)) % 16))
     return error(StatusCode::kInvalidArgument, "x and y must be 16-byte aligned");
+  NCB_RETURN_IF_ERROR(fuse_weights(a.weights));  // new weights only: before the first mark
 
-  // 1. Route: slots sorted by global expert id = (destination rank, local expert), rows and
-  // local expert ids scattered into the send buffer in that order.
+  // 1. Route: slots sorted by global expert id = (destination rank, local expert), every global
+  // expert's count; the counts of every rank to every rank and to the host, the one host sync.
+  // The rows are permuted into the send buffer behind the copy the host waits for.
   NCB_RETURN_IF_ERROR(mark(marks, 0));
-  int32_t* info = send_info.as<int32_t>();
-  NCB_RETURN_IF_ERROR(cuda(cudaMemsetAsync(info, 0, (P + 1) * 4, stream), "cudaMemsetAsync"));
-  NCB_RETURN_IF_ERROR(enqueue_sort(a.topk_idx, sort_shape(S, P * E), send_hist,
-                                   send_offset.as<int32_t>(), E, info, info + P,
+  int32_t* cnt = counts.as<int32_t>();
+  NCB_RETURN_IF_ERROR(
+      cuda(cudaMemsetAsync(cnt, 0, (int64_t{blocks} + 1) * 4, stream), "cudaMemsetAsync"));
+  NCB_RETURN_IF_ERROR(enqueue_sort(a.topk_idx, sort_shape(S, blocks), send_hist,
+                                   send_offset.as<int32_t>(), 1, cnt, cnt + blocks,
                                    slot_pos.as<int32_t>(), "cudaMemsetAsync (route histogram)"));
+  NCB_RETURN_IF_ERROR(
+      nccl(ncclAllGather(cnt, all_counts.as<int32_t>(), blocks + 1, ncclInt32, comm, stream),
+           "ncclAllGather (row counts)"));
+  NCB_RETURN_IF_ERROR(
+      cuda(cudaMemcpyAsync(host_counts.as<void>(), all_counts.as<void>(),
+                           int64_t{P} * (blocks + 1) * 4, cudaMemcpyDeviceToHost, stream),
+           "cudaMemcpyAsync (row counts to host)"));
+  NCB_RETURN_IF_ERROR(cuda(cudaEventRecord(counts_ready, stream), "cudaEventRecord (counts)"));
   if (S > 0) {
     scatter_rows<<<grid_for(S, kRowWarpsPerBlock), kRowWarpsPerBlock * 32, 0, stream>>>(
         home_rows.as<uint4>(), reinterpret_cast<const uint4*>(a.x), slot_pos.as<int32_t>(), S, K,
         vecs);
     NCB_RETURN_IF_ERROR(launched("scatter_rows (send buffer)"));
-    scatter_local_expert<<<grid_for(S, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
-        send_expert.as<int32_t>(), a.topk_idx, slot_pos.as<int32_t>(), S, E);
-    NCB_RETURN_IF_ERROR(launched("scatter_local_expert"));
   }
-
-  // 2. Counts: every rank's [rows per destination, bad ids] to every rank, then to the host.
-  NCB_RETURN_IF_ERROR(
-      nccl(ncclAllGather(info, all_info.as<int32_t>(), P + 1, ncclInt32, comm, stream),
-           "ncclAllGather (row counts)"));
-  const int32_t* all = host_info.as<int32_t>();
-  NCB_RETURN_IF_ERROR(
-      cuda(cudaMemcpyAsync(host_info.as<void>(), all_info.as<void>(), int64_t{P} * (P + 1) * 4,
-                           cudaMemcpyDeviceToHost, stream),
-           "cudaMemcpyAsync (row counts to host)"));
-  NCB_RETURN_IF_ERROR(sync("cudaStreamSynchronize (row counts)"));
-  // Every rank sees every rank's bad-id count, so all of them stop here together.
-  for (int32_t src = 0; src < P; ++src)
-    if (const int32_t bad = all[src * (P + 1) + P]; bad > 0)
-      return error(StatusCode::kInvalidArgument, "rank ", src, " has ", bad,
-                   " topk_idx entries outside [-1, num_experts=", c.num_experts, ")");
-  send_off[0] = recv_off[0] = 0;
-  for (int32_t p = 0; p < P; ++p) {
-    send_count[p] = all[rank * (P + 1) + p];
-    recv_count[p] = all[p * (P + 1) + rank];
-    send_off[p + 1] = send_off[p] + send_count[p];
-    recv_off[p + 1] = recv_off[p] + recv_count[p];
-  }
-  const int64_t R = recv_off[P];
-  if (R > INT32_MAX)
-    return error(StatusCode::kInvalidArgument, R, " received rows exceed int32 row positions");
-  NCB_RETURN_IF_ERROR(reserve_received(R));
+  NCB_RETURN_IF_ERROR(wait_for_counts());
+  NCB_RETURN_IF_ERROR(plan(a));
   NCB_RETURN_IF_ERROR(mark(marks, 1));
 
-  // 3. Dispatch, then grouping by local expert (stable: by source rank, then slot order).
-  NCB_RETURN_IF_ERROR(exchange_rows(home_rows.as<bf16>(), recv_rows.as<bf16>(), true, false,
-                                    "ncclGroupEnd (dispatch)"));
-  NCB_RETURN_IF_ERROR(enqueue_sort(recv_expert.as<int32_t>(), sort_shape(R, E), recv_hist,
-                                   expert_offset.as<int32_t>(), 1, nullptr, nullptr,
-                                   recv_pos.as<int32_t>(), "cudaMemsetAsync (grouping histogram)"));
-  if (R > 0) {
-    scatter_rows<<<grid_for(R, kRowWarpsPerBlock), kRowWarpsPerBlock * 32, 0, stream>>>(
-        grouped.as<uint4>(), recv_rows.as<uint4>(), recv_pos.as<int32_t>(), R, 1, vecs);
-    NCB_RETURN_IF_ERROR(launched("scatter_rows (group by expert)"));
-  }
-  NCB_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(host_expert_offset.as<void>(), expert_offset.as<void>(),
-                                           (E + 1) * 4, cudaMemcpyDeviceToHost, stream),
-                           "cudaMemcpyAsync (expert offsets to host)"));
-  NCB_RETURN_IF_ERROR(sync("cudaStreamSynchronize (expert offsets)"));
-  NCB_RETURN_IF_ERROR(plan_ffn(a, R));
+  // 2. Dispatch: rows to their experts' ranks, then from (source, expert) blocks into expert
+  // order. The plan's upload is free to overwrite plan_dev: the last call's GEMMs and
+  // permutations ran before this call's counts reached the host, and so did its upload, which
+  // read host_plan.
+  NCB_RETURN_IF_ERROR(
+      exchange_rows(home_rows.as<bf16>(), recv_rows.as<bf16>(), false, "ncclGroupEnd (dispatch)"));
+  const int64_t upload = R == 0 ? 0 : !dense ? plan_bytes : !in_order ? table_bytes : 0;
+  if (upload > 0)
+    NCB_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(plan_dev.as<void>(), host_plan.as<void>(), upload,
+                                             cudaMemcpyHostToDevice, stream),
+                             "cudaMemcpyAsync (block table, GEMM pointer arrays)"));
+  NCB_RETURN_IF_ERROR(permute(true, "permute_blocks (to expert order)"));
   NCB_RETURN_IF_ERROR(mark(marks, 2));
 
-  // 4. Expert FFN: gate/up into the two halves of gate_up, SwiGLU, down into `grouped`.
-  // NOTES: cublasGemmGroupedBatchedEx trails a dense GEMM of the same FLOPs from 128 rows per
-  // expert (docs/benchmarks.md, history of 2026-11-29); with the counts on the host (this
-  // pipeline synchronises for them anyway) a competent user calls one dense GEMM per expert
-  // once every expert has many rows, and the grouped API otherwise.
-  const int32_t* off = host_expert_offset.as<int32_t>();
-  int64_t min_rows = R > 0 ? R : 0;
-  for (int32_t e : expert_order) min_rows = std::min<int64_t>(min_rows, off[e + 1] - off[e]);
-  if (R > 0 && min_rows >= kDenseGemmRows) {
-    const void* const* hp = host_ptrs.as<const void*>();
-    auto dense = [&](const void* w, const void* in, const void* out, int rows, int64_t N,
-                     int64_t Kd, int64_t ld_in, int64_t ld_out, const char* what) {
-      return cublas(gemm_rows_wt(blas, rows, N, Kd, in, ld_in, w, const_cast<void*>(out), ld_out),
-                    what);
-    };
-    for (size_t q = 0; q < expert_order.size(); ++q) {
-      const int rows = off[expert_order[q] + 1] - off[expert_order[q]];
-      for (int half = 0; half < 2; ++half)
-        NCB_RETURN_IF_ERROR(dense(hp[2 * q + half], hp[2 * E + 2 * q + half],
-                                  hp[4 * E + 2 * q + half], rows, I, H, H, 2 * I,
-                                  "cublasGemmEx (gate/up, per expert)"));
+  // 3. Expert FFN on the rows in expert order: the fused gate|up GEMM into gate_up [R, 2I],
+  // SwiGLU over its two halves into h [R, I], down back over the input rows.
+  bf16* rows = ffn_rows();
+  if (R > 0 && dense) {
+    for (int32_t e : expert_order) {
+      const int64_t r0 = expert_off[e], n = expert_off[e + 1] - r0;
+      NCB_RETURN_IF_ERROR(cublas(
+          gemm_rows_wt(blas, n, 2 * I, H, rows + r0 * H, H, gate_up_w.as<bf16>() + e * 2 * I * H,
+                       gate_up.as<bf16>() + r0 * 2 * I, 2 * I),
+          "cublasGemmEx (gate|up, per expert)"));
     }
     NCB_RETURN_IF_ERROR(
         cuda(swiglu_bf16(gate_up.as<bf16>(), h.as<bf16>(), R, I, stream), "swiglu_bf16"));
-    for (size_t q = 0; q < expert_order.size(); ++q) {
-      const int rows = off[expert_order[q] + 1] - off[expert_order[q]];
-      NCB_RETURN_IF_ERROR(dense(hp[6 * E + q], hp[7 * E + q], hp[8 * E + q], rows, H, I, I, H,
-                                "cublasGemmEx (down, per expert)"));
+    for (int32_t e : expert_order) {
+      const int64_t r0 = expert_off[e], n = expert_off[e + 1] - r0;
+      NCB_RETURN_IF_ERROR(cublas(gemm_rows_wt(blas, n, H, I, h.as<bf16>() + r0 * I, I,
+                                              a.weights.down + e * H * I, rows + r0 * H, H),
+                                 "cublasGemmEx (down, per expert)"));
     }
   } else if (R > 0) {
-    const void* const* ptrs = gemm_ptrs.as<const void*>();
-    auto* out_ptrs = gemm_ptrs.as<void*>();
-    NCB_RETURN_IF_ERROR(
-        cublas(cublasGemmGroupedBatchedEx(
-                   blas, gu_call.transa.data(), gu_call.transb.data(), gu_call.m.data(),
-                   gu_call.n.data(), gu_call.k.data(), gu_call.alpha.data(), ptrs, CUDA_R_16BF,
-                   gu_call.lda.data(), ptrs + 2 * E, CUDA_R_16BF, gu_call.ldb.data(),
-                   gu_call.beta.data(), out_ptrs + 4 * E, CUDA_R_16BF, gu_call.ldc.data(),
-                   gu_call.groups(), gu_call.group_size.data(), CUBLAS_COMPUTE_32F),
-               "cublasGemmGroupedBatchedEx (gate/up)"));
+    const auto* ptrs = reinterpret_cast<const void* const*>(plan_dev.as<char>() + table_bytes);
+    auto* out_ptrs = reinterpret_cast<void* const*>(plan_dev.as<char>() + table_bytes);
+    NCB_RETURN_IF_ERROR(cublas(
+        cublasGemmGroupedBatchedEx(
+            blas, gu_call.transa.data(), gu_call.transb.data(), gu_call.m.data(), gu_call.n.data(),
+            gu_call.k.data(), gu_call.alpha.data(), ptrs, CUDA_R_16BF, gu_call.lda.data(), ptrs + E,
+            CUDA_R_16BF, gu_call.ldb.data(), gu_call.beta.data(), out_ptrs + 2 * E, CUDA_R_16BF,
+            gu_call.ldc.data(), gu_call.groups(), gu_call.group_size.data(), CUBLAS_COMPUTE_32F),
+        "cublasGemmGroupedBatchedEx (gate|up)"));
     NCB_RETURN_IF_ERROR(
         cuda(swiglu_bf16(gate_up.as<bf16>(), h.as<bf16>(), R, I, stream), "swiglu_bf16"));
     NCB_RETURN_IF_ERROR(cublas(
         cublasGemmGroupedBatchedEx(
             blas, down_call.transa.data(), down_call.transb.data(), down_call.m.data(),
-            down_call.n.data(), down_call.k.data(), down_call.alpha.data(), ptrs + 6 * E,
-            CUDA_R_16BF, down_call.lda.data(), ptrs + 7 * E, CUDA_R_16BF, down_call.ldb.data(),
-            down_call.beta.data(), out_ptrs + 8 * E, CUDA_R_16BF, down_call.ldc.data(),
+            down_call.n.data(), down_call.k.data(), down_call.alpha.data(), ptrs + 3 * E,
+            CUDA_R_16BF, down_call.lda.data(), ptrs + 4 * E, CUDA_R_16BF, down_call.ldb.data(),
+            down_call.beta.data(), out_ptrs + 5 * E, CUDA_R_16BF, down_call.ldc.data(),
             down_call.groups(), down_call.group_size.data(), CUBLAS_COMPUTE_32F),
         "cublasGemmGroupedBatchedEx (down)"));
   }
   NCB_RETURN_IF_ERROR(mark(marks, 3));
 
-  // 5. Combine: results back into received order (over the received rows, dead by now), home
-  // to their senders (over the sent rows), 6. then the weighted sum over k.
-  if (R > 0) {
-    gather_rows<<<grid_for(R, kRowWarpsPerBlock), kRowWarpsPerBlock * 32, 0, stream>>>(
-        recv_rows.as<uint4>(), grouped.as<uint4>(), recv_pos.as<int32_t>(), R, vecs);
-    NCB_RETURN_IF_ERROR(launched("gather_rows (ungroup)"));
-  }
-  NCB_RETURN_IF_ERROR(exchange_rows(recv_rows.as<bf16>(), home_rows.as<bf16>(), false, true,
-                                    "ncclGroupEnd (combine)"));
+  // 4. Combine: results back into received order (over the received rows, dead by now), home to
+  // their senders (over the sent rows), then the weighted sum over k.
+  NCB_RETURN_IF_ERROR(permute(false, "permute_blocks (to received order)"));
+  NCB_RETURN_IF_ERROR(
+      exchange_rows(recv_rows.as<bf16>(), home_rows.as<bf16>(), true, "ncclGroupEnd (combine)"));
   if (T > 0) {
     weighted_sum<<<grid_for(T * vecs, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
         reinterpret_cast<uint4*>(a.y), home_rows.as<uint4>(), slot_pos.as<int32_t>(),
@@ -743,6 +799,7 @@ Status NcclCublasMoe::create(const LayerConfig& config, ncclComm_t comm, cudaStr
   if (Status s = validate(config); !s.ok()) return m.error(s.code(), "config: ", s.message());
   m.P = config.ep_size;
   m.E = config.experts_per_rank();
+  m.blocks = m.P * m.E;
   m.K = config.top_k;
   m.H = config.hidden;
   m.I = config.intermediate;

@@ -1,19 +1,25 @@
 // The NCCL + cuBLAS baseline of epflow-bench: the MoE layer forward as a competent C++ user
 // writes it without EPFlow, one stream per rank, on the same inputs and layouts as EPFlow's
-// public API (ForwardArgs):
+// public API (ForwardArgs). Exactly ONE device-to-host synchronisation per forward:
 //   1. route: counting sort of the (token, k) slots by global expert id (= by destination rank,
-//      then local expert), stable in slot order; rows and local expert ids scattered into a
-//      send buffer in that order;
-//   2. counts: ncclAllGather of every rank's per-destination row counts, one copy to the host,
-//      one host sync;
-//   3. dispatch: ncclSend/ncclRecv of the bf16 rows and int32 local expert ids, every peer in one
-//      group; the receiver groups the rows by local expert (the same counting sort), one copy of
-//      the per-expert offsets to the host, a host sync;
-//   4. expert FFN: cublasGemmGroupedBatchedEx for gate and up (2 problems per expert, writing the
-//      two halves of one [rows, 2I] buffer), the SwiGLU kernel of bench/swiglu_baseline.cuh,
-//      cublasGemmGroupedBatchedEx for down; one dense cublasGemmEx per expert and projection
-//      instead when every expert has at least 256 rows (where cuBLAS's grouped GEMM is slow);
-//   5. combine: rows put back in received order and sent home with ncclSend/ncclRecv;
+//      then local expert), stable in slot order, giving every slot its send row and every global
+//      expert its row count; ncclAllGather of those [P * E] counts (and of the rank's count of
+//      bad ids), one copy to the host, THE host sync (an event just after that copy). The rows
+//      are permuted into the send buffer in (destination, expert) order after the event, so that
+//      copy runs while the host waits and plans;
+//   2. plan, on the host, from the counts of every (source rank, local expert) pair: the
+//      all-to-all split sizes, where each received row lands in expert-grouped order (a table of
+//      2 * P * E + 1 block offsets), the per-expert row counts the GEMMs need;
+//   3. dispatch: ncclSend/ncclRecv of the bf16 rows, every peer in one group; they arrive grouped
+//      by (source rank, local expert), and one kernel moves the (source, expert) blocks into
+//      expert order (none when that order already is the received one, e.g. one rank);
+//   4. expert FFN: one GEMM per expert against a fused gate|up weight [E, 2I, H] (gate rows, then
+//      up rows) writing [rows, 2I], the SwiGLU kernel of bench/swiglu_baseline.cuh over its two
+//      halves, the down GEMM: one cublasGemmGroupedBatchedEx call per projection, or one dense
+//      cublasGemmEx per expert and projection when every expert has at least 256 rows (where
+//      cuBLAS's grouped GEMM is slow);
+//   5. combine: results moved back into received order (the same kernel, the other way) and sent
+//      home with ncclSend/ncclRecv;
 //   6. y[t] = sum over k (in order, fp32) of topk_weights[t, k] * the row of slot (t, k), bf16.
 // Rows come back in the order they were sent, so the receiver needs no slot metadata: the
 // sender's sort positions map every returned row to its slot.
@@ -33,16 +39,27 @@ namespace epflow::bench {
 
 class NcclCublasMoe {
  public:
+  // What epflow-bench prints after "baseline nccl-cublas: " (lines after the first indented).
+  static constexpr const char* kDescription =
+      "counting-sort permute, ncclAllGather of per-(rank, expert) counts + one host sync\n"
+      "  (the only one), ncclSend/Recv all-to-all, block permute to expert order, fused gate|up\n"
+      "  GEMM + SwiGLU kernel + down GEMM (cublasGemmGroupedBatchedEx; one cublasGemmEx per\n"
+      "  expert from 256 rows per expert), permute back, all-to-all back, weighted sum; one\n"
+      "  stream per rank, whole call timed with CUDA events (host sync included)";
+
   // The stages forward() marks with events, named as epflow-bench names EPFlow's:
-  //   0 "metadata+schedule": route + count exchange (ends after its host sync),
-  //   1 "dispatch": row all-to-all + grouping by expert (ends after its host sync and the upload
-  //     of the grouped GEMM's pointer arrays),
-  //   2 "expert FFN": both grouped GEMMs and SwiGLU,
-  //   3 "combine+sum": ungroup, row all-to-all back, weighted sum.
+  //   0 "metadata+schedule": route sort, count exchange, the host sync, the host's plan, and the
+  //     rows' permutation into the send buffer (enqueued behind the copy the host waits for, so
+  //     it overlaps the host's wake-up and planning);
+  //   1 "dispatch": the upload of the plan (block table, grouped GEMM pointer arrays), the row
+  //     all-to-all, the permutation into expert order;
+  //   2 "expert FFN": fused gate|up GEMM(s), SwiGLU, down GEMM(s);
+  //   3 "combine+sum": permutation back to received order, row all-to-all back, weighted sum.
   static constexpr int kStages = 4;
 
   // `comm` spans config.ep_size ranks with this one as config.ep_rank, on the current device;
   // all work goes to `stream`. T per call may be anything up to config.max_tokens_per_rank.
+  // Allocates the fused gate|up weight [E_local, 2I, H] (filled by forward(), see there).
   static Status create(const LayerConfig& config, ncclComm_t comm, cudaStream_t stream,
                        std::unique_ptr<NcclCublasMoe>* out);
   ~NcclCublasMoe();
@@ -50,10 +67,13 @@ class NcclCublasMoe {
   NcclCublasMoe& operator=(const NcclCublasMoe&) = delete;
 
   // One layer forward. Collective: every rank of the communicator calls it the same number of
-  // times. Blocks the host at the two syncs of steps 2 and 3; returns with the rest enqueued.
+  // times. Blocks the host once, at the sync of step 1; returns with the rest enqueued.
   // `marks`: null, or kStages + 1 events recorded at the start, each stage end (see above).
-  // Grow-only buffers sized by the rows this rank receives are (re)allocated inside the call
-  // whose count exceeds every earlier one: time calls after a first untimed one.
+  // The first call with a given (weights.gate, weights.up) pair first copies them into the fused
+  // gate|up weight (stream-ordered, before the first mark): weights rewritten in place at the
+  // same addresses are not seen again. Grow-only buffers sized by the rows this rank receives are
+  // (re)allocated inside the call whose count exceeds every earlier one. Time calls after a
+  // first untimed one.
   Status forward(const ForwardArgs& args, const cudaEvent_t* marks);
 
  private:
