@@ -82,8 +82,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=100,
                     help="untimed calls first, every system and yardstick (epflow-bench's)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="epflow-bench's --repeats: medians over N runs of each point's sequence "
-                    "(EPFlow, its unfused chain, NCCL+cuBLAS, yardsticks; NCCL+PyTorch runs once)")
+                    help="every system's --repeats: medians over N runs of each point's sequence "
+                    "(epflow-bench: EPFlow, its unfused chain, NCCL+cuBLAS, yardsticks; "
+                    "torch_moe.py: NCCL+PyTorch forward and backward)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--backward", action="store_true",
                     help="also time EPFlow's backward (epflow-bench --backward, bf16 weight "
@@ -113,8 +114,9 @@ def main() -> int:
         sys.exit(f"run_all.py: EP {max(eps)} asked for, {gpus} GPUs present")
     commit = os.environ.get("EPFLOW_COMMIT") or git_commit()
     env = {**os.environ, **NVLS_OFF, "EPFLOW_COMMIT": commit}
+    # The same points, warm-up, timed calls and repeats for every system.
     common = ["--tokens", args.tokens, "--iters", str(args.iters), "--warmup", str(args.warmup),
-              "--seed", str(args.seed)]
+              "--repeats", str(args.repeats), "--seed", str(args.seed)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     torch_moe = str(BENCH_DIR / "baselines" / "torch_moe.py")
 
@@ -126,7 +128,7 @@ def main() -> int:
         for ep in eps:
             part = Path(tmp) / f"epflow-ep{ep}.json"
             docs.append(run_json([str(bench), "--ep", str(ep), "--preset", args.presets, *common,
-                                  "--yardstick", args.yardstick, "--repeats", str(args.repeats),
+                                  "--yardstick", args.yardstick,
                                   *(["--backward"] if args.backward else []),
                                   "--json", str(part)], env, part))
             part = Path(tmp) / f"torch-ep{ep}.json"

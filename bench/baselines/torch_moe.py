@@ -1,19 +1,49 @@
 #!/usr/bin/env python3
 """The NCCL+PyTorch baseline: the expert-parallel MoE layer as a competent PyTorch
-user writes it today (all_to_all_single + torch._grouped_mm + permutation kernels, autograd for
-the backward), on the same inputs as epflow-bench (bench/baselines/inputs.py mirrors
+user writes it today (all_to_all_single + torch._grouped_mm + row gathers, autograd for the
+backward), on the same inputs as epflow-bench (bench/baselines/inputs.py mirrors
 bench/bench_inputs.h; rank = global rank, num_experts = experts_per_rank * world).
 
 One process per GPU under torchrun:
   torchrun --standalone --nproc_per_node N bench/baselines/torch_moe.py \\
-      --presets deepseek-v3 --tokens 512,2048 --json out.json
+      --presets deepseek-v3 --tokens 512,2048 --repeats 3 --json out.json
   torchrun --standalone --nproc_per_node N bench/baselines/torch_moe.py --check
+
+The layer (moe_layer) and why its backward costs no more than its GEMMs and row moves need:
+- Weights are kept in the layout the grouped GEMMs read: w1 [E_local, H, 2I] (the columns of
+  gate, then of up) and w2 [E_local, I, H], so the forward is x @ w1 and act @ w2 with no
+  transposed view between a leaf and its GEMM: the weight gradients that torch._grouped_mm's
+  backward writes ([E, H, M] @ [M, 2I] and [E, I, M] @ [M, H] per expert) have the leaves'
+  layout, and no torch version's handling of a transposed operand (a contiguous copy of a weight
+  or of its gradient) comes into it. inputs.py generates gate/up [E, I, H] and down [E, H, I]:
+  make_weights lays them out once, untimed, before any call.
+- Every row permutation (tokens to their (token, k) slots sorted by expert, received rows to
+  expert order and back, returned rows to slots) is a gather (index_select) whose backward is
+  again a gather, by the inverse permutation computed once in the forward (_Gather). Autograd's
+  own backward of index_select or x[idx] would instead zero-fill the whole source-sized gradient
+  and scatter-add into it (index_add_, atomics) or sort its indices (index_put_ accumulate).
+  A token's K slots are summed back into dx by that gather plus a sum over k, with no atomics.
+- SwiGLU is one autograd function (_SwiGLU) over the [rows, 2I] GEMM output: its backward
+  writes d gate and d up straight into the two halves of one [rows, 2I] gradient, where autograd
+  through the slices gate_up[:, :I] and gate_up[:, I:] would zero-fill a [rows, 2I] tensor per
+  slice, copy each half in and add the two.
+- With one rank (EP=1) the received rows are already in expert order: that permutation and its
+  inverse are skipped, not run as identity gathers.
+- All in bf16 with fp32 accumulation: the grouped GEMMs, the weighted sum over k as a batched
+  matmul, the sum over k of dx (torch's reduction); the routing weights are cast to bf16 for
+  the weighted sum, the layer's only dtype change.
+moe_forward is the same layer for callers that hold gate|up as [E_local, 2I, H] and down as
+[E_local, H, I] (examples/train_moe.py): it passes transposed views, which _grouped_mm reads
+column-major.
 
 Timing: CUDA events, median per rank after warm-up, the slowest rank's median reported. Forward
 is timed with autograd recording (a training forward); backward between an event recorded once
 the forward is enqueued and one after backward() returns (it starts when the forward's GPU work
-ends), in calls that each run a forward then a backward. TFLOP/s per GPU count 6 * routed slots
-* H * I per rank forward, twice that backward.
+ends), in calls that each run a forward then a backward. --repeats N (as epflow-bench's): the
+whole sequence of a point (forward: warm-up + timed calls, then backward: warm-up + timed calls)
+N times; per rank the median over the repeats of each repeat's median, the slowest rank's of
+those reported, and each repeat's slowest-rank figure in the run's repeat_layer_us (N > 1).
+TFLOP/s per GPU count 6 * routed slots * H * I per rank forward, twice that backward.
 Without CUDA (gloo on CPU) only --check runs."""
 from __future__ import annotations
 
@@ -44,16 +74,70 @@ SYSTEM = "nccl-pytorch"
 CHECK_PRESET, CHECK_TOKENS, CHECK_TOL = "tiny", 64, 2e-2
 
 
-def moe_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                w_gate_up: torch.Tensor, w_down: torch.Tensor, world: int) -> torch.Tensor:
-    """y[t] = sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t]) over the EP group.
+def _rows(src: torch.Tensor, index: torch.Tensor, zero_row: bool) -> torch.Tensor:
+    """src's rows at index; with zero_row, index len(src) reads a row of zeros."""
+    if zero_row:
+        src = torch.cat([src, src.new_zeros(1, src.shape[1])])
+    return src.index_select(0, index)
+
+
+class _Gather(torch.autograd.Function):
+    """out = src[index] (rows), whose backward is a gather too: d src = d out[inverse], summed
+    over each `fan` consecutive rows (a token's K slots; fan 1: a permutation). inverse[j] is
+    the row of out that row j of src went to (the inverse permutation). zero_fwd / zero_bwd:
+    index / inverse may hold len(source), a zero row (empty slots: --check only)."""
+
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fan: int,
+                zero_fwd: bool, zero_bwd: bool) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.fan, ctx.zero_bwd = fan, zero_bwd
+        return _rows(src, index, zero_fwd)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        g = _rows(grad, inverse, ctx.zero_bwd)
+        if ctx.fan > 1:
+            g = g.view(-1, ctx.fan, g.shape[1]).sum(1)
+        return g, None, None, None, None, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up over h = [gate | up] ([rows, 2I]); the backward writes d gate and d up
+    into the halves of one [rows, 2I] gradient."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        inter = h.shape[1] // 2
+        gate, up = h[:, :inter], h[:, inter:]
+        s = F.silu(gate)
+        ctx.save_for_backward(h, s)
+        return s * up
+
+    @staticmethod
+    def backward(ctx, d_act: torch.Tensor):
+        h, s = ctx.saved_tensors
+        inter = h.shape[1] // 2
+        d_h = torch.empty_like(h)
+        d_gate, d_up = d_h[:, :inter], d_h[:, inter:]
+        torch.mul(d_act, s, out=d_up)
+        torch.mul(d_act, h[:, inter:], out=d_gate)  # d silu(gate), then through silu in place
+        torch.ops.aten.silu_backward.grad_input(d_gate, h[:, :inter], grad_input=d_gate)
+        return d_h
+
+
+def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+              w1: torch.Tensor, w2: torch.Tensor, world: int) -> torch.Tensor:
+    """y[t] = sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t]) over the EP group,
+    expert_e(v) = (silu(v @ w1[e][:, :I]) * (v @ w1[e][:, I:])) @ w2[e].
 
     x [T, H] bf16; topk_idx [T, K] global expert ids (-1: empty slot); topk_weights [T, K] fp32;
-    w_gate_up [E_local, 2I, H] (gate rows then up rows); w_down [E_local, H, I]."""
+    w1 [E_local, H, 2I] (gate columns then up columns); w2 [E_local, I, H]."""
     tokens, hidden = x.shape
     top_k = topk_idx.shape[1]
-    experts_local, two_i, _ = w_gate_up.shape
-    inter = two_i // 2
+    slots = tokens * top_k
+    experts_local = w1.shape[0]
     experts = experts_local * world
     dev = x.device
 
@@ -73,41 +157,54 @@ def moe_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
                        recv_per_expert.sum(1)]).tolist()
     send_sizes, recv_sizes = sizes[:world], sizes[world:]
     n_send, n_recv = sum(send_sizes), sum(recv_sizes)
+    empty = n_send < slots  # empty slots (-1) sort last, past the n_send sent rows
 
-    send_rows = x.index_select(0, order[:n_send] // top_k)
+    # slot_pos[s]: the row of the sorted send buffer that slot s went to (n_send: empty slot).
+    slot_pos = torch.empty_like(order).scatter_(0, order, torch.arange(slots, device=dev))
+    if empty:
+        slot_pos = slot_pos.clamp_(max=n_send)
+    sent_slot = order[:n_send]
+    send_rows = _Gather.apply(x, sent_slot // top_k, slot_pos, top_k, False, empty)
     recv_rows = all_to_all_autograd(x.new_empty(n_recv, hidden), send_rows, recv_sizes,
                                     send_sizes)
-    # Rows arrive grouped [source rank][local expert]; the grouped GEMM wants them by expert.
-    row_expert = torch.arange(experts_local, device=dev).repeat(world).repeat_interleave(
-        recv_per_expert.reshape(-1), output_size=n_recv)
-    perm = torch.argsort(row_expert, stable=True)
     offs = torch.cumsum(recv_per_expert.sum(0), 0, dtype=torch.int32)
-    gate_up = torch._grouped_mm(recv_rows.index_select(0, perm), w_gate_up.transpose(1, 2),
-                                offs=offs)
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    out = torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs)
-    inv_perm = torch.empty_like(perm).scatter_(0, perm, torch.arange(n_recv, device=dev))
-    back = all_to_all_autograd(x.new_empty(n_send, hidden), out.index_select(0, inv_perm),
-                               send_sizes, recv_sizes)
+    if world > 1:
+        # Rows arrive grouped [source rank][local expert]; the grouped GEMM wants them by expert.
+        row_expert = torch.arange(experts_local, device=dev).repeat(world).repeat_interleave(
+            recv_per_expert.reshape(-1), output_size=n_recv)
+        perm = torch.argsort(row_expert, stable=True)
+        inv_perm = torch.empty_like(perm).scatter_(0, perm, torch.arange(n_recv, device=dev))
+        recv_rows = _Gather.apply(recv_rows, perm, inv_perm, 1, False, False)
+    act = _SwiGLU.apply(torch._grouped_mm(recv_rows, w1, offs=offs))
+    out = torch._grouped_mm(act, w2, offs=offs)
+    if world > 1:
+        out = _Gather.apply(out, inv_perm, perm, 1, False, False)
+    back = all_to_all_autograd(x.new_empty(n_send, hidden), out, send_sizes, recv_sizes)
 
-    # Slot s's result is row inv_order[s] of `back`; empty slots read an appended zero row, so
-    # they add nothing and their weights get zero gradient.
-    inv_order = torch.empty_like(order).scatter_(0, order,
-                                                 torch.arange(order.numel(), device=dev))
-    if n_send < order.numel():
-        back = torch.cat([back, back.new_zeros(1, hidden)])
-    rows = back.index_select(0, inv_order.clamp(max=n_send)).view(tokens, top_k, hidden)
+    # Slot s's result is row slot_pos[s] of `back`; empty slots read a zero row, so they add
+    # nothing and their weights get zero gradient.
+    rows = _Gather.apply(back, slot_pos, sent_slot, 1, empty, False).view(tokens, top_k, hidden)
     # The weighted sum over k as a batched matmul in bf16 (fp32 accumulate): no fp32 row copy.
     return torch.bmm(topk_weights.to(x.dtype).unsqueeze(1), rows).squeeze(1)
 
 
+def moe_forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                w_gate_up: torch.Tensor, w_down: torch.Tensor, world: int) -> torch.Tensor:
+    """moe_layer with w_gate_up [E_local, 2I, H] (gate rows then up rows) and w_down
+    [E_local, H, I], as transposed views (the grouped GEMMs read them column-major)."""
+    return moe_layer(x, topk_idx, topk_weights, w_gate_up.transpose(1, 2),
+                     w_down.transpose(1, 2), world)
+
+
 def make_weights(seed: int, rank: int, p: inputs.Preset, device: torch.device) -> tuple[
         torch.Tensor, torch.Tensor]:
-    """(w_gate_up, w_down) leaves: gate and up stored as one tensor, as a user would to run one
-    GEMM for both."""
+    """(w1 [E_local, H, 2I], w2 [E_local, I, H]) leaves: inputs.py's gate/up [E, I, H] and down
+    [E, H, I] laid out once as the GEMMs read them, gate and up in one tensor for one GEMM."""
     w = inputs.make_weights(seed, rank, p, device)
-    w_gate_up = torch.cat([w.gate, w.up], dim=1).requires_grad_()
-    return w_gate_up, w.down.requires_grad_()
+    w1 = torch.cat([w.gate, w.up], dim=1).transpose(1, 2).contiguous()
+    w2 = w.down.transpose(1, 2).contiguous()
+    del w
+    return w1.requires_grad_(), w2.requires_grad_()
 
 
 def make_tokens(seed: int, rank: int, p: inputs.Preset, tokens: int, world: int,
@@ -138,14 +235,14 @@ def drop_slots(topk_idx: torch.Tensor) -> torch.Tensor:
 
 def reference(seed: int, p: inputs.Preset, tokens: int, world: int) -> tuple[
         list[torch.Tensor], list[list[torch.Tensor]]]:
-    """Every rank's y and gradients [dx, d topk_weights, d w_gate_up, d w_down], in fp32 on the
-    CPU, token by token, for loss = sum over ranks of <y_r, dy_r>."""
+    """Every rank's y and gradients [dx, d topk_weights, d w1, d w2], in fp32 on the CPU, token
+    by token, for loss = sum over ranks of <y_r, dy_r>."""
     cpu = torch.device("cpu")
     leaves, idx_all, ys = [], [], []
     for r in range(world):
-        w_gate_up, w_down = make_weights(seed, r, p, cpu)
+        w1, w2 = make_weights(seed, r, p, cpu)
         x, idx, tw = make_tokens(seed, r, p, tokens, world, cpu)
-        leaves.append([t.detach().float().requires_grad_() for t in (x, tw, w_gate_up, w_down)])
+        leaves.append([t.detach().float().requires_grad_() for t in (x, tw, w1, w2)])
         idx_all.append(drop_slots(idx))
     inter, el = p.intermediate, p.experts_per_rank
     for r in range(world):
@@ -157,9 +254,9 @@ def reference(seed: int, p: inputs.Preset, tokens: int, world: int) -> tuple[
                 e = int(idx_all[r][t, k])
                 if e < 0:
                     continue
-                w_gate_up, w_down = leaves[e // el][2][e % el], leaves[e // el][3][e % el]
-                h = w_gate_up @ x[t]
-                acc = acc + tw[t, k] * (w_down @ (F.silu(h[:inter]) * h[inter:]))
+                w1, w2 = leaves[e // el][2][e % el], leaves[e // el][3][e % el]
+                h = x[t] @ w1
+                acc = acc + tw[t, k] * ((F.silu(h[:inter]) * h[inter:]) @ w2)
             y.append(acc)
         ys.append(torch.stack(y))
     loss = sum((ys[r] * grad_output(seed, r, tokens, p.hidden, cpu).float()).sum()
@@ -170,15 +267,15 @@ def reference(seed: int, p: inputs.Preset, tokens: int, world: int) -> tuple[
 
 def run_check(seed: int, rank: int, world: int, device: torch.device) -> bool:
     p = inputs.PRESETS[CHECK_PRESET]
-    w_gate_up, w_down = make_weights(seed, rank, p, device)
+    w1, w2 = make_weights(seed, rank, p, device)
     x, idx, tw = make_tokens(seed, rank, p, CHECK_TOKENS, world, device)
-    y = moe_forward(x, drop_slots(idx), tw, w_gate_up, w_down, world)
+    y = moe_layer(x, drop_slots(idx), tw, w1, w2, world)
     y.backward(grad_output(seed, rank, CHECK_TOKENS, p.hidden, device))
     ref_y, ref_grads = reference(seed, p, CHECK_TOKENS, world)
-    got = [y, x.grad, tw.grad, w_gate_up.grad, w_down.grad]
+    got = [y, x.grad, tw.grad, w1.grad, w2.grad]
     want = [ref_y[rank]] + ref_grads[rank]
     ok = True
-    for name, g, w in zip(["y", "dx", "d topk_weights", "d w_gate_up", "d w_down"], got, want,
+    for name, g, w in zip(["y", "dx", "d topk_weights", "d w1", "d w2"], got, want,
                           strict=True):
         err = float((g.detach().float().cpu() - w).norm() / w.norm())
         ok &= err <= CHECK_TOL
@@ -221,56 +318,67 @@ def median_backward_ms(forward: Callable[[], torch.Tensor],
     return statistics.median([s.elapsed_time(e) for s, e in events[warmup:]])
 
 
-def bench_config(p: inputs.Preset, tokens: int, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+def bench_config(p: inputs.Preset, tokens: int, w1: torch.Tensor, w2: torch.Tensor,
                  args: argparse.Namespace, rank: int, world: int,
-                 device: torch.device) -> tuple[float, float, int]:
-    """This rank's (forward ms, backward ms, routed slots)."""
+                 device: torch.device) -> tuple[list[float], list[float], int]:
+    """This rank's (forward ms per repeat, backward ms per repeat, routed slots): each repeat
+    the forward's median over its warm-up + timed calls, then the backward's likewise."""
     x, idx, tw = make_tokens(args.seed, rank, p, tokens, world, device)
     dy = grad_output(args.seed, rank, tokens, p.hidden, device)
-    leaves = [x, tw, w_gate_up, w_down]
+    leaves = [x, tw, w1, w2]
 
     def forward() -> torch.Tensor:
-        return moe_forward(x, idx, tw, w_gate_up, w_down, world)
+        return moe_layer(x, idx, tw, w1, w2, world)
 
     def forward_fresh() -> torch.Tensor:
         for t in leaves:  # fresh gradients, as after optimizer.zero_grad(set_to_none=True)
             t.grad = None
         return forward()
 
-    fwd = median_ms(forward, args.warmup, args.iters)
-    bwd = median_backward_ms(forward_fresh, lambda y: y.backward(dy), args.warmup, args.iters)
-    for t in leaves:
-        t.grad = None
+    fwd, bwd = [], []
+    for _ in range(args.repeats):
+        fwd.append(median_ms(forward, args.warmup, args.iters))
+        bwd.append(median_backward_ms(forward_fresh, lambda y: y.backward(dy), args.warmup,
+                                      args.iters))
+        for t in leaves:
+            t.grad = None
     return fwd, bwd, int((idx >= 0).sum())
 
 
 def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
     runs = []
+    reps = args.repeats
     for name in args.presets:
         p = inputs.PRESETS[name]
-        w_gate_up, w_down = make_weights(args.seed, rank, p, device)
+        w1, w2 = make_weights(args.seed, rank, p, device)
         for tokens in args.tokens:
-            fwd, bwd, routed = bench_config(p, tokens, w_gate_up, w_down, args, rank, world,
-                                            device)
-            # Every rank's numbers, so the slowest rank's time goes with its own FLOPs.
-            mine = torch.zeros(world, 3, dtype=torch.float64, device=device)
-            mine[rank] = torch.tensor([fwd, bwd, routed], dtype=torch.float64)
+            fwd, bwd, routed = bench_config(p, tokens, w1, w2, args, rank, world, device)
+            # Every rank's numbers, so the slowest rank's time goes with its own FLOPs:
+            # [median over repeats fwd, bwd, routed slots, fwd per repeat..., bwd per repeat...].
+            mine = torch.zeros(world, 3 + 2 * reps, dtype=torch.float64, device=device)
+            mine[rank] = torch.tensor([statistics.median(fwd), statistics.median(bwd), routed,
+                                       *fwd, *bwd], dtype=torch.float64)
             dist.all_reduce(mine)
             per_rank = mine.tolist()
-            slow_fwd = max(per_rank, key=lambda v: v[0])
-            slow_bwd = max(per_rank, key=lambda v: v[1])
             flops = 6.0 * p.hidden * p.intermediate  # per routed slot, forward
-            fwd_us = slow_fwd[0] * 1e3
-            bwd_us = slow_bwd[1] * 1e3
-            results = [("fwd", fwd_us, flops * slow_fwd[2] / fwd_us * 1e-6),
-                       ("bwd", bwd_us, 2 * flops * slow_bwd[2] / bwd_us * 1e-6)]
-            for direction, us, tflops in results:
-                runs.append({"system": SYSTEM, "direction": direction, "preset": name,
-                             "tokens": tokens, "layer_us": us, "layer_tflops_per_gpu": tflops})
+            for col, direction, mult in ((0, "fwd", 1), (1, "bwd", 2)):
+                slow = max(per_rank, key=lambda v: v[col])
+                us = slow[col] * 1e3
+                tflops = mult * flops * slow[2] / us * 1e-6
+                run = {"system": SYSTEM, "direction": direction, "preset": name,
+                       "tokens": tokens, "layer_us": us, "layer_tflops_per_gpu": tflops}
+                # As epflow-bench: each repeat's slowest rank, when there is more than one.
+                first = 3 + col * reps
+                repeat_us = [max(v[first + i] for v in per_rank) * 1e3 for i in range(reps)]
+                if reps > 1:
+                    run["repeat_layer_us"] = [round(u, 2) for u in repeat_us]
+                runs.append(run)
                 if rank == 0:
+                    each = (" (repeats: " + " / ".join(f"{u:.1f}" for u in repeat_us) + ")"
+                            if reps > 1 else "")
                     print(f"{SYSTEM} {name} tokens/rank {tokens} EP {world} {direction}: "
-                          f"{us:.1f} us, {tflops:.1f} TFLOP/s/GPU", flush=True)
-        del w_gate_up, w_down
+                          f"{us:.1f} us, {tflops:.1f} TFLOP/s/GPU{each}", flush=True)
+        del w1, w2
         torch.cuda.empty_cache()
     if rank == 0 and args.json:
         doc = {"kind": "layer", "device": torch.cuda.get_device_name(device), "ep": world,
@@ -286,6 +394,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tokens", default="4096", help="comma-separated tokens per rank")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=100)  # as epflow-bench: sustained clocks
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="as epflow-bench's --repeats: time each point's sequence (forward, then "
+                         "backward, each warm-up + --iters calls) N times and report per rank the "
+                         "median over the repeats of each repeat's median (default 1)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the results here (rank 0)")
     ap.add_argument("--check", action="store_true",
@@ -297,8 +409,8 @@ def parse_args() -> argparse.Namespace:
     unknown = [s for s in args.presets if s not in inputs.PRESETS]
     if unknown:
         ap.error(f"unknown presets {unknown}")
-    if args.iters < 1 or args.warmup < 0:
-        ap.error("--iters must be >= 1 and --warmup >= 0")
+    if args.iters < 1 or args.warmup < 0 or args.repeats < 1:
+        ap.error("--iters and --repeats must be >= 1 and --warmup >= 0")
     return args
 
 
