@@ -314,8 +314,9 @@ std::string usage_text() {
          "               interleaved: the dense GEMMs timed between EPFlow's own timed calls (the\n"
          "               same clocks and power history; the copy still at once afterwards)\n"
          "  --check      compare EPFlow's and the baselines' outputs with the CPU reference on a\n"
-         "               small shape (default: preset tiny, 64 tokens, EP 2 if 2 GPUs, else 1);\n"
-         "               exit 1 on a mismatch\n"
+         "               small shape (default: preset tiny, 64 tokens, EP 2 if 2 GPUs, else 1),\n"
+         "               and EPFlow's backward (dx, d topk_weights, weight gradients; the unfused\n"
+         "               one too with epflow-unfused); exit 1 on a mismatch\n"
          "  -h, --help   this text\n";
 }
 

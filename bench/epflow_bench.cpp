@@ -3,7 +3,8 @@
 // of the whole layer and of each stage, and the NVLink bytes and GB/s of dispatch and combine.
 // After EPFlow, in the same process, on the same inputs (bench/bench_inputs.h, generated again
 // into each system's own buffers), it times the baselines of --baselines and checks their output
-// against EPFlow's on a few tokens. --check compares both with the CPU reference on a small shape.
+// against EPFlow's on a few tokens. --check compares both with the CPU reference on a small shape,
+// and EPFlow's backward too.
 // Without a GPU it runs the CPU reference layer on a small preset and says so.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -20,8 +21,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "baselines/nccl_cublas_moe.h"
@@ -257,6 +260,16 @@ class RankData {
   }
   const BackwardArgs& grads() const { return grads_; }
 
+  // Replaces dy = x (create_grads) by dy[t, h] = bf16(unit_value(key, t * H + h)).
+  Status fill_dy(const LayerConfig& c, int64_t T, uint64_t key, cudaStream_t stream) {
+    __nv_bfloat16* dy = nullptr;
+    EPFLOW_RETURN_IF_ERROR(alloc(&dy, T * c.hidden, "cudaMalloc (dy)"));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(
+        bench::fill_uniform_bf16(dy, T * c.hidden, 1.0f, key, stream), "fill_uniform_bf16 (dy)"));
+    grads_.dy = dy;
+    return Status::ok_status();
+  }
+
  private:
   template <typename T>
   Status alloc(T** p, int64_t count, const char* what) {
@@ -477,6 +490,63 @@ Status fetch_rows(const __nv_bfloat16* y, const std::vector<int64_t>& tokens, in
   return Status::ok_status();
 }
 
+// --check's dy on rank `rank`: the x formula under seed + 1, independent of x (with dy = x a
+// backward that mixed up its dy and x rows would still pass).
+uint64_t check_dy_key(uint64_t seed, uint32_t rank) {
+  return bench::stream_key(seed + 1, bench::InputStream::kX, rank);
+}
+
+// --check: one forward that saves its context, then its backward with dy from check_dy_key and
+// fp32 weight gradients written over poisoned outputs (all-ones bytes, NaN: an element never
+// written fails the check); every output into `fused` as floats, in reference::RankGrads'
+// layout. With `unfused`, the unfused backward of the same context again, into it.
+Status run_checked_backward(LayerCore& layer, RankData& data, const LayerConfig& c, int64_t T,
+                            uint64_t seed, cudaStream_t stream, reference::RankGrads* fused,
+                            reference::RankGrads* unfused) {
+  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, GradDType::kFP32));
+  EPFLOW_RETURN_IF_ERROR(
+      data.fill_dy(c, T, check_dy_key(seed, static_cast<uint32_t>(c.ep_rank)), stream));
+  SavedContext saved;
+  EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
+  const BackwardArgs& b = data.grads();
+  const int64_t H = c.hidden, K = c.top_k;
+  const int64_t weights = c.experts_per_rank() * c.intermediate * c.hidden;
+  std::vector<int64_t> tokens(T);
+  std::iota(tokens.begin(), tokens.end(), int64_t{0});
+  auto run = [&](reference::RankGrads* out) -> Status {
+    for (auto [ptr, bytes] : {std::pair<void*, int64_t>{b.dx, T * H * 2},
+                              {b.d_topk_weights, T * K * 4},
+                              {b.d_gate, weights * 4},
+                              {b.d_up, weights * 4},
+                              {b.d_down, weights * 4}})
+      EPFLOW_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(ptr, 0xFF, bytes, stream),
+                                         "cudaMemsetAsync (poisoned backward outputs)"));
+    EPFLOW_RETURN_IF_ERROR(layer.backward(b, saved, stream));
+    EPFLOW_RETURN_IF_ERROR(layer.with_device_failure(
+        cuda_status(cudaStreamSynchronize(stream), "EPFlow backward (--check)")));
+    EPFLOW_RETURN_IF_ERROR(fetch_rows(b.dx, tokens, H, stream, &out->dx));
+    for (auto [from, to, count] : {std::tuple<const void*, std::vector<float>*, int64_t>{
+                                       b.d_topk_weights, &out->d_topk_weights, T * K},
+                                   {b.d_gate, &out->d_gate, weights},
+                                   {b.d_up, &out->d_up, weights},
+                                   {b.d_down, &out->d_down, weights}}) {
+      to->resize(count);
+      EPFLOW_RETURN_IF_ERROR(
+          cuda_status(cudaMemcpy(to->data(), from, count * 4, cudaMemcpyDeviceToHost),
+                      "cudaMemcpy (backward outputs to host)"));
+    }
+    return Status::ok_status();
+  };
+  EPFLOW_RETURN_IF_ERROR(run(fused));
+  if (unfused == nullptr) return Status::ok_status();
+  std::unique_ptr<bench::UnfusedBackward> executor;
+  EPFLOW_RETURN_IF_ERROR(bench::UnfusedBackward::create(
+      layer.workspace(), bench::default_backward_side_sms(c, layer.workspace().sm_count),
+      &executor));
+  layer.set_backward_executor(std::move(executor));
+  return run(unfused);
+}
+
 // One way of running EPFlow: the megakernel with given knobs (0 = automatic) or the unfused chain.
 struct Variant {
   const char* system;
@@ -490,16 +560,19 @@ struct Variant {
 // trace_path: where to write the megakernel's per-task trace of the last call (empty: none).
 // interleave_rows > 0: after each layer call, the dense cuBLAS yardstick over that many rows runs
 // on the same stream, timed apart (its median lands in out->interleaved_dense_tflops).
+// backward_grads (--check): then run_checked_backward into it (and into unfused_backward_grads).
 Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
                          const std::vector<bench::Routing>& routing, int64_t T, const Options& o,
                          ncclComm_t comm, const std::vector<int64_t>& checked, RankResult* out,
                          std::vector<float>* y_rows, const std::string& trace_path = "",
-                         int64_t interleave_rows = 0, bool with_backward = false) {
+                         int64_t interleave_rows = 0, bool with_backward = false,
+                         reference::RankGrads* backward_grads = nullptr,
+                         reference::RankGrads* unfused_backward_grads = nullptr) {
   LayerConfig c = base;
   c.comm_sms = v.comm_sms;
   c.minibatch_rows = v.minibatch_rows;
   c.ring_rows = v.ring_rows;
-  c.with_backward = with_backward;
+  c.with_backward = with_backward || backward_grads != nullptr;
   std::unique_ptr<LayerCore> layer;  // the public Layer's core, with hooks and executors
   EPFLOW_RETURN_IF_ERROR(LayerCore::create(c, comm, &layer));
   if (v.unfused) {
@@ -557,7 +630,10 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
     EPFLOW_RETURN_IF_ERROR(time_backward(
         *layer, hooks, data, c, T, o, stream.get(), out,
         trace_path.empty() ? "" : trace_path.substr(0, trace_path.size() - 4) + "-bwd.csv"));
-  return fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows);
+  EPFLOW_RETURN_IF_ERROR(fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows));
+  if (backward_grads == nullptr) return Status::ok_status();
+  return run_checked_backward(*layer, data, c, T, o.seed, stream.get(), backward_grads,
+                              unfused_backward_grads);
 }
 
 // The NCCL + cuBLAS baseline on this rank, on its own copy of the same inputs.
@@ -629,39 +705,79 @@ std::vector<int64_t> guard_tokens(int64_t T) {
   return t;
 }
 
-// Every rank's y from the CPU reference, on fp32 copies of exactly the bf16 inputs the GPUs got
-// (the formulas of bench_inputs.h; __float2bfloat16 rounds to nearest even, as the fill kernel).
-std::vector<std::vector<float>> reference_y(const LayerConfig& c,
-                                            const std::vector<bench::Routing>& routing, int64_t T,
-                                            uint64_t seed) {
-  const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank(), K = c.top_k;
+// fp32 copies of exactly the bf16 values the GPUs got, bf16(unit_value(key, i) * scale) for
+// i < count (the formulas of bench_inputs.h; __float2bfloat16 rounds to nearest even, as the
+// fill kernel).
+std::vector<float> bf16_values(int64_t count, float scale, uint64_t key) {
+  std::vector<float> v(count);
+  for (int64_t i = 0; i < count; ++i)
+    v[i] = __bfloat162float(__float2bfloat16(bench::unit_value(key, i) * scale));
+  return v;
+}
+
+// Every rank's inputs and experts exactly as the GPUs got them, for the CPU reference.
+void reference_layer(const LayerConfig& c, const std::vector<bench::Routing>& routing, int64_t T,
+                     uint64_t seed, std::vector<reference::RankInput>* inputs,
+                     std::vector<reference::RankExperts>* experts) {
+  const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank();
   using bench::InputStream;
-  auto values = [](int64_t count, float scale, uint64_t key) {
-    std::vector<float> v(count);
-    for (int64_t i = 0; i < count; ++i)
-      v[i] = __bfloat162float(__float2bfloat16(bench::unit_value(key, i) * scale));
-    return v;
-  };
-  std::vector<reference::RankExperts> experts(c.ep_size);
+  inputs->assign(c.ep_size, {});
+  experts->assign(c.ep_size, {});
   for (int32_t r = 0; r < c.ep_size; ++r) {
     const uint32_t ur = static_cast<uint32_t>(r);
-    experts[r].gate =
-        values(E * I * H, bench::fan_in_scale(H), bench::stream_key(seed, InputStream::kGate, ur));
-    experts[r].up =
-        values(E * I * H, bench::fan_in_scale(H), bench::stream_key(seed, InputStream::kUp, ur));
-    experts[r].down =
-        values(E * H * I, bench::fan_in_scale(I), bench::stream_key(seed, InputStream::kDown, ur));
+    reference::RankExperts& ex = (*experts)[r];
+    ex.gate = bf16_values(E * I * H, bench::fan_in_scale(H),
+                          bench::stream_key(seed, InputStream::kGate, ur));
+    ex.up = bf16_values(E * I * H, bench::fan_in_scale(H),
+                        bench::stream_key(seed, InputStream::kUp, ur));
+    ex.down = bf16_values(E * H * I, bench::fan_in_scale(I),
+                          bench::stream_key(seed, InputStream::kDown, ur));
+    reference::RankInput& in = (*inputs)[r];
+    in.num_tokens = T;
+    in.x = bf16_values(T * H, 1.0f, bench::stream_key(seed, InputStream::kX, ur));
+    in.topk_idx = routing[r].topk_idx;
+    in.topk_weights = routing[r].topk_weights;
   }
+}
+
+// Every rank's y from the CPU reference.
+std::vector<std::vector<float>> reference_y(const LayerConfig& c,
+                                            const std::vector<reference::RankInput>& inputs,
+                                            const std::vector<reference::RankExperts>& experts) {
+  const int64_t H = c.hidden, K = c.top_k;
   std::vector<std::vector<float>> y(c.ep_size);
   for (int32_t r = 0; r < c.ep_size; ++r) {
-    const auto x =
-        values(T * H, 1.0f, bench::stream_key(seed, InputStream::kX, static_cast<uint32_t>(r)));
-    y[r].resize(T * H);
-    for (int64_t t = 0; t < T; ++t)
-      reference::forward_token(c, experts, x.data() + t * H, routing[r].topk_idx.data() + t * K,
-                               routing[r].topk_weights.data() + t * K, y[r].data() + t * H);
+    const reference::RankInput& in = inputs[r];
+    y[r].resize(in.num_tokens * H);
+    for (int64_t t = 0; t < in.num_tokens; ++t)
+      reference::forward_token(c, experts, in.x.data() + t * H, in.topk_idx.data() + t * K,
+                               in.topk_weights.data() + t * K, y[r].data() + t * H);
   }
   return y;
+}
+
+// --check: one line per output of a backward against the reference backward's, each the worst
+// rank's relative error; true when every one is within kRelTol.
+bool check_backward_outputs(const char* system, const std::vector<reference::RankGrads>& got,
+                            const std::vector<reference::RankGrads>& want) {
+  using Output = std::vector<float> reference::RankGrads::*;
+  bool ok = true;
+  for (auto [name, output] : {std::pair<const char*, Output>{"dx", &reference::RankGrads::dx},
+                              {"d topk_weights", &reference::RankGrads::d_topk_weights},
+                              {"d W_gate", &reference::RankGrads::d_gate},
+                              {"d W_up", &reference::RankGrads::d_up},
+                              {"d W_down", &reference::RankGrads::d_down}}) {
+    std::vector<std::vector<float>> got_ranks, want_ranks;
+    for (size_t r = 0; r < got.size(); ++r) {
+      got_ranks.push_back(got[r].*output);
+      want_ranks.push_back(want[r].*output);
+    }
+    const Check check = compare(got_ranks, want_ranks, "reference");
+    std::printf("  %-26s %-15s %s (rel. err %.1e vs reference, every element of every rank)\n",
+                system, name, check.verdict(), check.rel_err);
+    ok = ok && check.ok();
+  }
+  return ok;
 }
 
 // --- results ---------------------------------------------------------------------------------
@@ -900,17 +1016,24 @@ int run_gpu(const Options& o, int devices) {
         for (int64_t ring : or_auto(o.sweep_ring_rows))
           variants.push_back(Variant{kSweep, static_cast<int32_t>(cs), mb, false, ring});
   }
-  if (std::find(o.baselines.begin(), o.baselines.end(), kUnfused) != o.baselines.end())
-    variants.push_back(Variant{kUnfused, 0, 0, true});
+  const bool unfused_baseline =
+      std::find(o.baselines.begin(), o.baselines.end(), kUnfused) != o.baselines.end();
+  if (unfused_baseline) variants.push_back(Variant{kUnfused, 0, 0, true});
   const std::string device = device_name();
   const char* commit = std::getenv("EPFLOW_COMMIT");
   std::printf("epflow-bench: %d x %s, EP=%d, bf16, median of %d iterations after %d warm-up\n", ep,
               device.c_str(), ep, o.iters, o.warmup);
   if (nccl_cublas)
     std::printf("baseline nccl-cublas: %s\n", bench::NcclCublasMoe::kDescription);
-  if (o.check)
+  if (o.check) {
     std::printf("--check: every token's y against the CPU reference, rel. error <= %.0e\n",
                 kRelTol);
+    std::printf(
+        "--check: and EPFlow's backward (random dy, fp32 weight gradients; the unfused "
+        "backward too with the %s baseline): dx, d topk_weights and the weight "
+        "gradients against the CPU reference backward\n",
+        kUnfused);
+  }
   std::ostringstream json;
   json << "{\n  \"kind\": \"layer\",\n  \"device\": \"" << device << "\",\n  \"ep\": " << ep
        << ",\n  \"commit\": \"" << (commit ? commit : "unknown") << "\",\n  \"seed\": " << o.seed
@@ -941,6 +1064,12 @@ int run_gpu(const Options& o, int devices) {
         checked.resize(T);
         for (int64_t t = 0; t < T; ++t) checked[t] = t;
       }
+      // --check: the backward too, where the reference backward's weight gradients (every
+      // expert's three, in double) fit in a few GB; every rank's outputs of EPFlow's backward
+      // and, with the unfused baseline, of the unfused backward.
+      const double reference_grad_bytes = 3.0 * 8 * c.num_experts * c.intermediate * c.hidden;
+      const bool check_backward = o.check && reference_grad_bytes <= 4e9;
+      std::vector<reference::RankGrads> backward_got(ep), unfused_backward_got(ep);
       std::vector<std::vector<RankResult>> variant_results(variants.size(), results);
       std::vector<std::vector<std::vector<float>>> y_variant(variants.size(),
                                                              std::vector<std::vector<float>>(ep));
@@ -991,10 +1120,12 @@ int run_gpu(const Options& o, int devices) {
                           std::to_string(rank) + ".csv"
                     : "";
             const int64_t interleave_rows = v == 0 && interleaved ? yardstick_rows(rank) : 0;
-            EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(rc, variants[v], routing, T, o, comm, checked,
-                                                     &r, &y_variant[v][rank], trace,
-                                                     interleave_rows,
-                                                     v == 0 && o.backward && !o.check));
+            const bool checked_backward = v == 0 && check_backward;
+            EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(
+                rc, variants[v], routing, T, o, comm, checked, &r, &y_variant[v][rank], trace,
+                interleave_rows, v == 0 && o.backward && !o.check,
+                checked_backward ? &backward_got[rank] : nullptr,
+                checked_backward && unfused_baseline ? &unfused_backward_got[rank] : nullptr));
             keep_times(r, &variant_results[v][rank]);
             if (interleave_rows > 0) interleaved_dense[rank] = r.interleaved_dense_tflops;
           }
@@ -1046,11 +1177,24 @@ int run_gpu(const Options& o, int devices) {
       }
       std::vector<Check> variant_check(variants.size());
       Check base_check;
+      std::vector<reference::RankGrads> backward_want;  // --check: the reference backward's
       if (o.check) {
-        const auto ref = reference_y(c, routing, T, o.seed);
+        std::vector<reference::RankInput> inputs;
+        std::vector<reference::RankExperts> experts;
+        reference_layer(c, routing, T, o.seed, &inputs, &experts);
+        const auto ref = reference_y(c, inputs, experts);
         for (size_t v = 0; v < variants.size(); ++v)
           variant_check[v] = compare(y_variant[v], ref, "reference");
         if (nccl_cublas) base_check = compare(y_base, ref, "reference");
+        if (check_backward) {
+          std::vector<std::vector<float>> dy(ep);
+          for (int32_t r = 0; r < ep; ++r)
+            dy[r] = bf16_values(T * c.hidden, 1.0f, check_dy_key(o.seed, static_cast<uint32_t>(r)));
+          if (Status s = reference::backward(c, inputs, experts, dy, &backward_want); !s.ok()) {
+            std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
+            return 1;
+          }
+        }
       } else {
         for (size_t v = 1; v < variants.size(); ++v)
           variant_check[v] = compare(y_variant[v], y_variant[0], "epflow");
@@ -1219,6 +1363,18 @@ int run_gpu(const Options& o, int devices) {
              << run_json(kNcclCublas, *p, T, c, base_results, base_check, nullptr,
                          layer_us_per_repeat(base_reps));
         all_ok = all_ok && base_check.ok();
+      }
+      if (check_backward) {
+        all_ok = check_backward_outputs("epflow backward", backward_got, backward_want) && all_ok;
+        if (unfused_baseline)
+          all_ok = check_backward_outputs("epflow-unfused backward", unfused_backward_got,
+                                          backward_want) &&
+                   all_ok;
+      } else if (o.check) {
+        std::printf(
+            "  backward not checked: the reference backward would hold %.1f GB of weight "
+            "gradients\n",
+            reference_grad_bytes * 1e-9);
       }
     }
   }

@@ -53,4 +53,31 @@ Status backward(const LayerConfig& config, const std::vector<RankInput>& inputs,
                 const std::vector<RankExperts>& experts,
                 const std::vector<std::vector<float>>& dy, std::vector<RankGrads>* grads);
 
+// One token's dx row [H] and its d topk_weights [K] (for spot checks of shapes too large to run
+// whole): backward()'s own arithmetic, so bit for bit its values.
+void backward_token(const LayerConfig& config, const std::vector<RankExperts>& experts,
+                    const float* x_row, const int32_t* topk_idx_row, const float* topk_weights_row,
+                    const float* dy_row, float* dx_row, float* d_topk_weights_row);
+
+enum class WeightGradMatrix { kGate, kUp, kDown };
+
+// One element of a rank's weight gradients: RankGrads::d_gate / d_up [E_local, I, H] (row < I,
+// col < H) or d_down [E_local, H, I] (row < H, col < I).
+struct WeightGradElement {
+  WeightGradMatrix matrix = WeightGradMatrix::kGate;
+  int32_t expert = 0;  // local to the rank, < experts_per_rank
+  int64_t row = 0;
+  int64_t col = 0;
+};
+
+// values[n] = elements[n] of rank `rank`'s weight gradients, as backward() computes them (the
+// same terms summed in the same order: its values to the float rounding) for the cost of
+// 3 * H MACs per routed row of each distinct (expert, intermediate index) among the elements,
+// instead of the whole backward's 9 * H * I per routed row.
+Status weight_grad_elements(const LayerConfig& config, const std::vector<RankInput>& inputs,
+                            const std::vector<RankExperts>& experts,
+                            const std::vector<std::vector<float>>& dy, int32_t rank,
+                            const std::vector<WeightGradElement>& elements,
+                            std::vector<float>* values);
+
 }  // namespace epflow::reference

@@ -8,14 +8,19 @@
 // bitwise the same gradients (no atomics, fixed summation orders), and so does forward +
 // backward captured in a CUDA graph and replayed. The backward megakernel (the default) with its
 // default and with one communication SM, and the unfused backward with and without its side
-// stream; the hooks the benchmark times them with. Outputs are poisoned first.
+// stream; the hooks the benchmark times them with. The DeepSeek-V3 per-rank shape (H 7168, I 2048,
+// 32 experts per rank, top-8) at T = 1, 129 and 4096, EP=1 and EP=2, checked on sampled tokens and
+// weight-gradient elements against the CPU reference's per-token and per-element functions.
+// Outputs are poisoned first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -44,6 +49,48 @@ struct GradOptions {
 
 // Every rank's gradients as floats, in reference::RankGrads' layout.
 using RankGrads = std::vector<reference::RankGrads>;
+
+using reference::WeightGradElement;
+using reference::WeightGradMatrix;
+
+// Elements of every rank's weight gradients ([rank][n]) that run_backward fetches instead of
+// the whole gradients (at the DeepSeek-V3 shape they are 0.5 G elements per matrix), and their
+// values.
+struct SampledWeightGrads {
+  std::vector<std::vector<WeightGradElement>> elements;
+  std::vector<std::vector<float>> values;  // run_backward's output
+};
+
+// Where an element lies in its gradient buffer (RankGrads' layouts).
+int64_t element_offset(const LayerConfig& c, const WeightGradElement& e) {
+  const bool down = e.matrix == WeightGradMatrix::kDown;
+  const int64_t rows = down ? c.hidden : c.intermediate;
+  const int64_t cols = down ? c.intermediate : c.hidden;
+  return (e.expert * rows + e.row) * cols + e.col;
+}
+
+// fn(0) .. fn(n - 1) spread over every core (the reference's spot checks and the weights'
+// conversion at the DeepSeek-V3 shape).
+void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
+  const int64_t workers = std::min<int64_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int64_t w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      for (int64_t i = w; i < n; i += workers) fn(i);
+    });
+  for (std::thread& t : pool) t.join();
+}
+
+// testing::to_bf16 on every core: a DeepSeek-V3 rank's weights are 1.4 G elements.
+std::vector<__nv_bfloat16> to_bf16_on_every_core(const std::vector<float>& v) {
+  std::vector<__nv_bfloat16> out(v.size());
+  const int64_t size = static_cast<int64_t>(v.size()), chunk = int64_t{1} << 20;
+  parallel_for((size + chunk - 1) / chunk, [&](int64_t c) {
+    for (int64_t i = c * chunk; i < std::min(size, (c + 1) * chunk); ++i)
+      out[i] = __float2bfloat16(v[i]);
+  });
+  return out;
+}
 
 std::vector<std::vector<float>> make_dy(const LayerConfig& c, const CallInputs& in, uint64_t seed) {
   std::vector<std::vector<float>> dy(in.size());
@@ -81,15 +128,31 @@ struct Poisoned {
     }
     return Status::ok_status();
   }
+  // Element `at` alone (sampled from a gradient too large to copy back whole).
+  Status fetch_element(int64_t at, float* out) const {
+    const char* from = static_cast<const char*>(ptr) + at * elem;
+    if (elem == 4) {
+      EPFLOW_TRY_CUDA(cudaMemcpy(out, from, 4, cudaMemcpyDeviceToHost));
+    } else {
+      __nv_bfloat16 b;
+      EPFLOW_TRY_CUDA(cudaMemcpy(&b, from, 2, cudaMemcpyDeviceToHost));
+      *out = __bfloat162float(b);
+    }
+    return Status::ok_status();
+  }
   ~Poisoned() {
     if (ptr) cudaFree(ptr);
   }
 };
 
+// One forward + backward on poisoned outputs. Every rank's dx and d topk_weights come back
+// whole; its weight gradients too, or with `sampled` only the elements it lists.
 Status run_backward(const LayerConfig& base, const std::vector<reference::RankExperts>& experts,
                     const CallInputs& in, const std::vector<std::vector<float>>& dy,
-                    const GradOptions& options, RankGrads* grads) {
+                    const GradOptions& options, RankGrads* grads,
+                    SampledWeightGrads* sampled = nullptr) {
   grads->assign(base.ep_size, {});
+  if (sampled) sampled->values.assign(base.ep_size, {});
   return run_on_local_gpus(base.ep_size, [&](int rank, ncclComm_t comm) -> Status {
     LayerConfig c = base;
     c.ep_rank = rank;
@@ -114,7 +177,7 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     const std::vector<float>* host_w[3] = {&experts[rank].gate, &experts[rank].up,
                                            &experts[rank].down};
     for (int i = 0; i < 3; ++i) {
-      const auto b = testing::to_bf16(*host_w[i]);
+      const auto b = to_bf16_on_every_core(*host_w[i]);
       EPFLOW_TRY_CUDA(cudaMalloc(&w[i], b.size() * 2));
       EPFLOW_TRY_CUDA(cudaMemcpy(w[i], b.data(), b.size() * 2, cudaMemcpyHostToDevice));
     }
@@ -158,17 +221,35 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     const cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess)
       return layer->with_device_failure(Status(StatusCode::kCudaError, cudaGetErrorString(e)));
+    // Into `host`, and the sampled elements (if any) into `values`.
+    const auto fetch = [&](reference::RankGrads* host, std::vector<float>* values) -> Status {
+      std::vector<std::pair<const Poisoned*, std::vector<float>*>> whole = {
+          {&dx, &host->dx}, {&dtw, &host->d_topk_weights}};
+      if (sampled == nullptr)
+        whole.insert(whole.end(),
+                     {{&dgate, &host->d_gate}, {&dup, &host->d_up}, {&ddown, &host->d_down}});
+      for (auto [buf, to] : whole)
+        if (Status s = buf->fetch(to); !s.ok()) return s;
+      if (sampled == nullptr) return Status::ok_status();
+      const std::vector<WeightGradElement>& elements = sampled->elements[rank];
+      values->resize(elements.size());
+      for (size_t n = 0; n < elements.size(); ++n) {
+        const Poisoned& buf = elements[n].matrix == WeightGradMatrix::kGate ? dgate
+                              : elements[n].matrix == WeightGradMatrix::kUp ? dup
+                                                                            : ddown;
+        if (Status s = buf.fetch_element(element_offset(c, elements[n]), &(*values)[n]); !s.ok())
+          return s;
+      }
+      return Status::ok_status();
+    };
     reference::RankGrads& out = (*grads)[rank];
-    const std::vector<std::pair<Poisoned*, std::vector<float>*>> outputs = {
-        {&dx, &out.dx}, {&dtw, &out.d_topk_weights}, {&dgate, &out.d_gate}, {&dup, &out.d_up},
-        {&ddown, &out.d_down}};
-    for (auto [buf, host] : outputs)
-      if (Status s = buf->fetch(host); !s.ok()) return s;
+    std::vector<float> values;
+    if (Status s = fetch(&out, &values); !s.ok()) return s;
     if (options.check_repeatable || options.check_graph) {
       b.accumulate_weight_grads = false;
       if (options.check_graph) {
         // The first backward allocated the layer's buffers: the captured calls only enqueue.
-        for (auto [buf, host] : outputs)
+        for (const Poisoned* buf : {&dx, &dtw, &dgate, &dup, &ddown})
           EPFLOW_TRY_CUDA(cudaMemset(buf->ptr, 0xFF, buf->count * buf->elem));
         cudaStream_t stream = nullptr;
         cudaGraph_t graph = nullptr;
@@ -191,17 +272,24 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
         if (Status s = layer->backward(b, saved, nullptr); !s.ok()) return s;
         EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
       }
-      for (auto [buf, host] : outputs) {
-        std::vector<float> again;
-        if (Status s = buf->fetch(&again); !s.ok()) return s;
+      reference::RankGrads again;
+      std::vector<float> again_values;
+      if (Status s = fetch(&again, &again_values); !s.ok()) return s;
+      for (auto [first, second] : {std::pair{&out.dx, &again.dx},
+                                   {&out.d_topk_weights, &again.d_topk_weights},
+                                   {&out.d_gate, &again.d_gate},
+                                   {&out.d_up, &again.d_up},
+                                   {&out.d_down, &again.d_down},
+                                   {&values, &again_values}}) {
         // Compared as bits: NaN == NaN would fail as floats, and -0 == 0 would pass.
-        if (again.size() != host->size() ||
-            std::memcmp(again.data(), host->data(), again.size() * sizeof(float)) != 0)
+        if (first->size() != second->size() ||
+            std::memcmp(first->data(), second->data(), first->size() * sizeof(float)) != 0)
           return Status(StatusCode::kInternal, options.check_graph
                                                    ? "the CUDA graph gave different outputs"
                                                    : "a repeated backward gave different outputs");
       }
     }
+    if (sampled) sampled->values[rank] = std::move(values);
     layer.reset();
     for (auto* p : w) cudaFree(p);
     return Status::ok_status();
@@ -332,6 +420,208 @@ TEST(LayerBackwardGpu, CapturedInCudaGraph) {
   GradOptions graph;
   graph.check_graph = true;
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
+}
+
+// --- the DeepSeek-V3 per-rank shape, checked on samples --------------------------------------
+
+// H 7168, I 2048, 32 experts per rank, top-8, up to 4096 tokens per rank: the shape the backward
+// is benchmarked at. Its weight gradients alone are 3 * 2 * 7168 * 2048 * 32K FLOPs at T = 4096
+// (2.9 TFLOP), far too many for the whole CPU reference backward.
+LayerConfig deepseek_v3_config(int world) {
+  LayerConfig c = testing::shape_config(world, 7168, 2048, 32, 8, 4096);
+  c.with_backward = true;
+  return c;
+}
+
+// Routed rows of every global expert, over all ranks' tokens.
+std::vector<int64_t> rows_per_expert(const LayerConfig& c, const CallInputs& in) {
+  std::vector<int64_t> rows(c.num_experts, 0);
+  for (const reference::RankInput& r : in)
+    for (int32_t expert : r.topk_idx)
+      if (expert >= 0) ++rows[expert];
+  return rows;
+}
+
+// The local experts of `rank` whose weight gradients are sampled: the busiest, the one with the
+// fewest rows but some, one without rows where there is one, and one more at random.
+std::vector<int32_t> sampled_experts(const LayerConfig& c, const std::vector<int64_t>& rows,
+                                     int rank, std::mt19937_64& rng) {
+  const int32_t E = c.experts_per_rank();
+  const auto rows_of = [&](int32_t local) { return rows[rank * E + local]; };
+  int32_t busiest = 0, fewest = -1, empty = -1;
+  for (int32_t e = 0; e < E; ++e) {
+    if (rows_of(e) > rows_of(busiest)) busiest = e;
+    if (rows_of(e) > 0 && (fewest < 0 || rows_of(e) < rows_of(fewest))) fewest = e;
+    if (rows_of(e) == 0 && empty < 0) empty = e;
+  }
+  std::vector<int32_t> experts;
+  for (int32_t e : {busiest, fewest, empty, static_cast<int32_t>(rng() % E)})
+    if (e >= 0 && std::find(experts.begin(), experts.end(), e) == experts.end())
+      experts.push_back(e);
+  return experts;
+}
+
+// Per expert, 16 intermediate indices i at random, and per index 3 elements of each matrix at
+// random h (dW_gate[e][i][h], dW_up[e][i][h], dW_down[e][h][i]); grouped by (expert, i), the
+// unit of the reference's cost (3 * H MACs per routed row of the expert).
+std::vector<std::vector<WeightGradElement>> sample_elements(const LayerConfig& c,
+                                                            const std::vector<int32_t>& experts,
+                                                            std::mt19937_64& rng) {
+  std::vector<std::vector<WeightGradElement>> groups;
+  for (int32_t e : experts) {
+    for (int index = 0; index < 16; ++index) {
+      const int64_t i = static_cast<int64_t>(rng() % c.intermediate);
+      std::vector<WeightGradElement> group;
+      for (int n = 0; n < 3; ++n) {
+        group.push_back({WeightGradMatrix::kGate, e, i, static_cast<int64_t>(rng() % c.hidden)});
+        group.push_back({WeightGradMatrix::kUp, e, i, static_cast<int64_t>(rng() % c.hidden)});
+        group.push_back({WeightGradMatrix::kDown, e, static_cast<int64_t>(rng() % c.hidden), i});
+      }
+      groups.push_back(std::move(group));
+    }
+  }
+  return groups;
+}
+
+// The tokens whose dx rows and d topk_weights are checked: every one of a small T, else the
+// first, the last and 30 more at random.
+std::vector<int64_t> sampled_tokens(int64_t T, std::mt19937_64& rng) {
+  constexpr int64_t kTokens = 32;
+  std::vector<int64_t> tokens;
+  if (T <= kTokens) {
+    for (int64_t t = 0; t < T; ++t) tokens.push_back(t);
+    return tokens;
+  }
+  tokens = {0, T - 1};
+  while (static_cast<int64_t>(tokens.size()) < kTokens) {
+    const int64_t t = static_cast<int64_t>(rng() % T);
+    if (std::find(tokens.begin(), tokens.end(), t) == tokens.end()) tokens.push_back(t);
+  }
+  return tokens;
+}
+
+// One forward + backward against the reference on samples, with a random dy: every element of
+// dx and d topk_weights written (finite) and every empty slot's d topk_weights exactly 0; the
+// dx rows and d topk_weights of the sampled tokens, and the sampled weight-gradient elements of
+// each matrix, within run_and_check's tolerances as one relative error per rank; the experts
+// without rows' elements exactly 0 (written as zeros).
+void check_samples(const LayerConfig& c, const std::vector<reference::RankExperts>& experts,
+                   const CallInputs& in, GradDType dtype, uint64_t seed, const char* what) {
+  SCOPED_TRACE(what);
+  const int64_t H = c.hidden, K = c.top_k;
+  const auto dy = make_dy(c, in, seed);
+  const std::vector<int64_t> rows = rows_per_expert(c, in);
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<std::vector<WeightGradElement>>> groups(c.ep_size);  // [rank][group]
+  SampledWeightGrads sampled;
+  sampled.elements.resize(c.ep_size);
+  for (int r = 0; r < c.ep_size; ++r) {
+    groups[r] = sample_elements(c, sampled_experts(c, rows, r, rng), rng);
+    for (const auto& group : groups[r])
+      sampled.elements[r].insert(sampled.elements[r].end(), group.begin(), group.end());
+  }
+  GradOptions options;
+  options.dtype = dtype;
+  RankGrads got;
+  const Status s = run_backward(c, experts, in, dy, options, &got, &sampled);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  const double tol = dtype == GradDType::kFP32 ? 2e-2 : 3e-2;  // run_and_check's
+
+  for (int r = 0; r < c.ep_size; ++r) {
+    SCOPED_TRACE(::testing::Message() << "rank " << r);
+    const reference::RankInput& rank_in = in[r];
+    const int64_t T = rank_in.num_tokens;
+    ASSERT_EQ(static_cast<int64_t>(got[r].dx.size()), T * H);
+    ASSERT_EQ(static_cast<int64_t>(got[r].d_topk_weights.size()), T * K);
+    int64_t not_finite = 0, nonzero_empty_slots = 0;
+    for (float v : got[r].dx) not_finite += !std::isfinite(v);
+    for (int64_t slot = 0; slot < T * K; ++slot) {
+      not_finite += !std::isfinite(got[r].d_topk_weights[slot]);
+      nonzero_empty_slots += rank_in.topk_idx[slot] == -1 && got[r].d_topk_weights[slot] != 0.0f;
+    }
+    EXPECT_EQ(not_finite, 0) << "elements of dx or d topk_weights not written (still NaN)";
+    EXPECT_EQ(nonzero_empty_slots, 0) << "empty slots whose d topk_weights is not 0";
+
+    const std::vector<int64_t> tokens = sampled_tokens(T, rng);
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    std::vector<float> want_dx(n * H), want_dtw(n * K), got_dx(n * H), got_dtw(n * K);
+    parallel_for(n, [&](int64_t i) {
+      const int64_t t = tokens[i];
+      reference::backward_token(c, experts, &rank_in.x[t * H], &rank_in.topk_idx[t * K],
+                                &rank_in.topk_weights[t * K], &dy[r][t * H], &want_dx[i * H],
+                                &want_dtw[i * K]);
+      std::copy_n(&got[r].dx[t * H], H, &got_dx[i * H]);
+      std::copy_n(&got[r].d_topk_weights[t * K], K, &got_dtw[i * K]);
+    });
+    const std::string of_tokens = " of " + std::to_string(n) + " sampled tokens";
+    expect_close(got_dx, want_dx, 1.0, tol, "dx" + of_tokens);
+    expect_close(got_dtw, want_dtw, 1.0, tol, "d topk_weights" + of_tokens);
+
+    std::vector<std::vector<float>> want_groups(groups[r].size());
+    std::vector<Status> statuses(groups[r].size());
+    parallel_for(static_cast<int64_t>(groups[r].size()), [&](int64_t g) {
+      statuses[g] =
+          reference::weight_grad_elements(c, in, experts, dy, r, groups[r][g], &want_groups[g]);
+    });
+    for (const Status& status : statuses) ASSERT_TRUE(status.ok()) << status.to_string();
+    std::vector<float> want;
+    for (const auto& values : want_groups) want.insert(want.end(), values.begin(), values.end());
+    const std::vector<WeightGradElement>& elements = sampled.elements[r];
+    const std::vector<float>& values = sampled.values[r];
+    ASSERT_EQ(values.size(), elements.size());
+    ASSERT_EQ(want.size(), elements.size());
+    int64_t nonzero_without_rows = 0;
+    for (size_t i = 0; i < elements.size(); ++i)
+      nonzero_without_rows +=
+          rows[r * c.experts_per_rank() + elements[i].expert] == 0 && values[i] != 0.0f;
+    EXPECT_EQ(nonzero_without_rows, 0) << "elements of experts without rows that are not 0";
+    for (auto [matrix, name] : {std::pair{WeightGradMatrix::kGate, "d W_gate"},
+                                {WeightGradMatrix::kUp, "d W_up"},
+                                {WeightGradMatrix::kDown, "d W_down"}}) {
+      std::vector<float> got_m, want_m;
+      for (size_t i = 0; i < elements.size(); ++i) {
+        if (elements[i].matrix != matrix) continue;
+        got_m.push_back(values[i]);
+        want_m.push_back(want[i]);
+      }
+      expect_close(got_m, want_m, 1.0, tol,
+                   std::string(name) + ": " + std::to_string(got_m.size()) + " sampled elements");
+    }
+  }
+}
+
+// The backward at the DeepSeek-V3 per-rank shape on `world` GPUs, checked on samples
+// (check_samples), one set of experts for every case: T = 1 (most experts without rows), T = 129
+// (a partial row tile) with empty slots, T = 4096 with uniform routing and bf16 weight
+// gradients, and T = 4096 with imbalanced routing (the busiest expert gets nearly every token)
+// and local expert 3 of every rank emptied (an expert without rows at T = 4096); fp32 weight
+// gradients but where said.
+void deepseek_v3(int world) {
+  const LayerConfig c = deepseek_v3_config(world);
+  const auto experts = testing::make_bf16_experts(c, 21);
+  const std::vector<int64_t> tokens_1(world, 1), tokens_129(world, 129), tokens_4096(world, 4096);
+  check_samples(c, experts, testing::make_call(c, tokens_1, Routing::kUniform, 31),
+                GradDType::kFP32, 41, "T = 1, uniform routing");
+  check_samples(c, experts, testing::make_call(c, tokens_129, Routing::kWithEmptySlots, 32),
+                GradDType::kFP32, 42, "T = 129, empty slots");
+  check_samples(c, experts, testing::make_call(c, tokens_4096, Routing::kUniform, 33),
+                GradDType::kBF16, 43, "T = 4096, uniform routing, bf16 weight gradients");
+  CallInputs imbalanced = testing::make_call(c, tokens_4096, Routing::kImbalanced, 34);
+  for (reference::RankInput& r : imbalanced)
+    for (int32_t& expert : r.topk_idx)
+      if (expert >= 0 && expert % c.experts_per_rank() == 3) expert = -1;
+  check_samples(c, experts, imbalanced, GradDType::kFP32, 44,
+                "T = 4096, imbalanced routing, local expert 3 of every rank emptied");
+}
+
+TEST(LayerBackwardGpu, DeepSeekV3ShapeEp1) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  deepseek_v3(1);
+}
+
+TEST(LayerBackwardGpu, DeepSeekV3ShapeEp2) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  deepseek_v3(2);
 }
 
 // One token routed to expert 0 on a small EP=1 layer, its forward and backward arguments over

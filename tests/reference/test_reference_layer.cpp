@@ -335,6 +335,122 @@ TEST(ReferenceLayer, ForwardTokenMatchesForward) {
                std::invalid_argument);
 }
 
+// backward_token is backward()'s own per-token code: every token's dx row and d topk_weights
+// (zeros for its empty slots) bit for bit, on both ranks.
+TEST(ReferenceLayer, BackwardTokenMatchesBackward) {
+  const LayerConfig config = make_config(128, 64, 8, 3, 2, 6);
+  const std::vector<RankInput> inputs =
+      make_inputs(config, {6, 4}, synthetic::Routing::kWithEmptySlots, 23);
+  const std::vector<RankExperts> experts = synthetic::make_experts(config, 24);
+  const Outputs dy = make_dy(config, inputs, 25);
+  const std::vector<RankGrads> grads = run_backward(config, inputs, experts, dy);
+  const int64_t H = config.hidden, K = config.top_k;
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t t = 0; t < inputs[r].num_tokens; ++t) {
+      std::vector<float> dx(H), d_weights(K);
+      reference::backward_token(
+          config, experts, inputs[r].x.data() + t * H, inputs[r].topk_idx.data() + t * K,
+          inputs[r].topk_weights.data() + t * K, dy[r].data() + t * H, dx.data(), d_weights.data());
+      EXPECT_EQ(dx,
+                std::vector<float>(grads[r].dx.begin() + t * H, grads[r].dx.begin() + (t + 1) * H))
+          << "rank " << r << " token " << t;
+      EXPECT_EQ(d_weights, std::vector<float>(grads[r].d_topk_weights.begin() + t * K,
+                                              grads[r].d_topk_weights.begin() + (t + 1) * K))
+          << "rank " << r << " token " << t;
+    }
+  }
+
+  // Like forward_token, it throws rather than read out of bounds.
+  std::vector<float> dx(H), d_weights(K);
+  const std::vector<int32_t> bad_idx = {1, -2, 2};
+  EXPECT_THROW(reference::backward_token(config, experts, inputs[0].x.data(), bad_idx.data(),
+                                         inputs[0].topk_weights.data(), dy[0].data(), dx.data(),
+                                         d_weights.data()),
+               std::out_of_range);
+  std::vector<RankExperts> short_experts = experts;
+  short_experts[0].gate.pop_back();
+  EXPECT_THROW(reference::backward_token(config, short_experts, inputs[0].x.data(),
+                                         inputs[0].topk_idx.data(), inputs[0].topk_weights.data(),
+                                         dy[0].data(), dx.data(), d_weights.data()),
+               std::invalid_argument);
+}
+
+// weight_grad_elements sums backward()'s terms in backward()'s order: every element of every
+// rank's three weight gradients agrees to one float rounding (exactly 0 for an expert without
+// rows), whatever order the elements are asked in. Imbalanced routing over both ranks, one
+// expert's slots emptied.
+TEST(ReferenceLayer, WeightGradElementsMatchBackward) {
+  const LayerConfig config = make_config(64, 128, 8, 3, 2, 9);
+  std::vector<RankInput> inputs = make_inputs(config, {9, 7}, synthetic::Routing::kImbalanced, 26);
+  const int32_t emptied = 5;  // rank 1's local expert 1
+  for (RankInput& in : inputs) std::replace(in.topk_idx.begin(), in.topk_idx.end(), emptied, -1);
+  const std::vector<RankExperts> experts = synthetic::make_experts(config, 27);
+  const Outputs dy = make_dy(config, inputs, 28);
+  const std::vector<RankGrads> grads = run_backward(config, inputs, experts, dy);
+
+  using reference::WeightGradElement;
+  using reference::WeightGradMatrix;
+  const int64_t H = config.hidden, I = config.intermediate;
+  const int32_t experts_per_rank = config.experts_per_rank();
+  for (int32_t r = 0; r < 2; ++r) {
+    // Every element of the three matrices, interleaved: expert by expert, the gate and up
+    // elements of each index pair, then the down one (the function groups them itself).
+    std::vector<WeightGradElement> elements;
+    std::vector<double> expected;
+    for (int32_t e = 0; e < experts_per_rank; ++e) {
+      for (int64_t i = 0; i < I; ++i) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t gate_up_at = (e * I + i) * H + h;
+          const int64_t down_at = (e * H + h) * I + i;
+          elements.push_back({WeightGradMatrix::kGate, e, i, h});
+          expected.push_back(grads[r].d_gate[gate_up_at]);
+          elements.push_back({WeightGradMatrix::kUp, e, i, h});
+          expected.push_back(grads[r].d_up[gate_up_at]);
+          elements.push_back({WeightGradMatrix::kDown, e, h, i});
+          expected.push_back(grads[r].d_down[down_at]);
+        }
+      }
+    }
+    std::vector<float> values;
+    const Status status =
+        reference::weight_grad_elements(config, inputs, experts, dy, r, elements, &values);
+    ASSERT_TRUE(status.ok()) << status.to_string();
+    expect_rel_near(values, expected, 0x1p-23, "rank " + std::to_string(r));
+  }
+  // Not a comparison of zeros: exactly the experts without rows (the emptied one among them)
+  // have all-zero gradients.
+  std::vector<int64_t> rows(config.num_experts, 0);
+  for (const RankInput& in : inputs)
+    for (int32_t expert : in.topk_idx) rows[expert] += expert >= 0;
+  EXPECT_EQ(rows[emptied], 0);
+  for (int32_t expert = 0; expert < config.num_experts; ++expert) {
+    const RankGrads& g = grads[expert / experts_per_rank];
+    const int64_t first = (expert % experts_per_rank) * H * I;
+    for (const std::vector<float>* matrix : {&g.d_gate, &g.d_up, &g.d_down}) {
+      EXPECT_EQ(std::all_of(matrix->begin() + first, matrix->begin() + first + H * I,
+                            [](float v) { return v == 0.0f; }),
+                rows[expert] == 0)
+          << "expert " << expert << " with " << rows[expert] << " rows";
+    }
+  }
+
+  std::vector<float> values;
+  EXPECT_EQ(reference::weight_grad_elements(config, inputs, experts, dy, 2,
+                                            {{WeightGradMatrix::kUp, 0, 0, 0}}, &values)
+                .code(),
+            StatusCode::kInvalidArgument);
+  const Status outside = reference::weight_grad_elements(
+      config, inputs, experts, dy, 0, {{WeightGradMatrix::kDown, 1, 0, I}}, &values);
+  EXPECT_EQ(outside.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(outside.message().find("elements[0]"), std::string::npos) << outside.message();
+  Outputs short_dy = dy;
+  short_dy[0].pop_back();
+  EXPECT_EQ(reference::weight_grad_elements(config, inputs, experts, short_dy, 0,
+                                            {{WeightGradMatrix::kGate, 0, 0, 0}}, &values)
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
 // Tokens are independent: permuting one rank's tokens (and their dy) permutes that rank's y, dx
 // and d_topk_weights bit for bit. Weight gradients only change by summation order.
 TEST(ReferenceLayer, PermutingTokensPermutesOutputs) {
