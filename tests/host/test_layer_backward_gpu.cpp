@@ -375,11 +375,9 @@ TEST(LayerBackwardGpu, Ep2DifferentTokenCountsAndAnEmptyRank) {
   run_and_check(c, testing::make_call(c, {200, 150}, Routing::kImbalanced, 8), repeat);
 }
 
-// The forward ring wraps many times (2-tile ring, 1-tile minibatches) and I = 320 ends in a
-// partial gate/up tile (64 of 128 columns): the g | u the megakernel keeps for the backward.
-// EP=2 where two GPUs are present, else EP=1; a forward ring of two 1-tile minibatches.
-LayerConfig small_ring_config(int64_t max_tokens) {
-  LayerConfig c = small_config(testing::device_count() >= 2 ? 2 : 1, max_tokens);
+// A forward ring of two 1-tile minibatches at EP=world.
+LayerConfig small_ring_config(int world, int64_t max_tokens) {
+  LayerConfig c = small_config(world, max_tokens);
   c.ring_rows = 256;
   c.minibatch_rows = 128;
   return c;
@@ -390,9 +388,10 @@ std::vector<int64_t> tokens_for(const LayerConfig& c, int64_t first, int64_t sec
   return c.ep_size == 2 ? std::vector<int64_t>{first, second} : std::vector<int64_t>{second};
 }
 
-TEST(LayerBackwardGpu, Ep2RingWrapAndIntermediateTail) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  LayerConfig c = small_ring_config(700);
+// The forward ring wraps many times and I = 320 ends in a partial gate/up tile (64 of 128
+// columns): the g | u the megakernel keeps for the backward.
+void ring_wrap_and_intermediate_tail(int world) {
+  LayerConfig c = small_ring_config(world, 700);
   c.intermediate = 320;
   const std::vector<int64_t> tokens = tokens_for(c, 700, 333);
   run_and_check(c, testing::make_call(c, tokens, Routing::kImbalanced, 10));
@@ -401,9 +400,8 @@ TEST(LayerBackwardGpu, Ep2RingWrapAndIntermediateTail) {
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 14), one_comm_sm);
 }
 
-TEST(LayerBackwardGpu, UnfusedBackwardWithAndWithoutSideStream) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  LayerConfig c = small_ring_config(700);
+void unfused_backward_with_and_without_side_stream(int world) {
+  LayerConfig c = small_ring_config(world, 700);
   c.intermediate = 320;
   const std::vector<int64_t> tokens = tokens_for(c, 500, 333);
   GradOptions unfused;
@@ -413,14 +411,29 @@ TEST(LayerBackwardGpu, UnfusedBackwardWithAndWithoutSideStream) {
   run_and_check(c, testing::make_call(c, tokens, Routing::kUniform, 12), unfused);
 }
 
-TEST(LayerBackwardGpu, CapturedInCudaGraph) {
-  EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const LayerConfig c = small_ring_config(400);
+void captured_in_cuda_graph(int world) {
+  const LayerConfig c = small_ring_config(world, 400);
   const std::vector<int64_t> tokens = tokens_for(c, 400, 211);
   GradOptions graph;
   graph.check_graph = true;
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
 }
+
+// Each case at EP=1, and at EP=2 where two GPUs are present (else it reports a skip).
+#define EPFLOW_EP1_AND_EP2_TESTS(name, fn) \
+  TEST(LayerBackwardGpu, name##Ep1) {     \
+    EPFLOW_SKIP_WITHOUT_GPUS(1);          \
+    fn(1);                                \
+  }                                       \
+  TEST(LayerBackwardGpu, name##Ep2) {     \
+    EPFLOW_SKIP_WITHOUT_GPUS(2);          \
+    fn(2);                                \
+  }
+
+EPFLOW_EP1_AND_EP2_TESTS(RingWrapAndIntermediateTail, ring_wrap_and_intermediate_tail)
+EPFLOW_EP1_AND_EP2_TESTS(UnfusedBackwardWithAndWithoutSideStream,
+                         unfused_backward_with_and_without_side_stream)
+EPFLOW_EP1_AND_EP2_TESTS(CapturedInCudaGraph, captured_in_cuda_graph)
 
 // --- the DeepSeek-V3 per-rank shape, checked on samples --------------------------------------
 
