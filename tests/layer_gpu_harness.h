@@ -68,6 +68,18 @@ inline LayerConfig small_config(int world, int64_t max_tokens) {
                    << ": test skipped";                                                       \
   } while (0)
 
+// A case fn(world) as suite.nameEp1 and suite.nameEp2; the EP=2 test reports a skip where fewer
+// than two GPUs are present (never runs at EP=1 under an EP=2 name).
+#define EPFLOW_EP1_AND_EP2_TESTS(suite, name, fn) \
+  TEST(suite, name##Ep1) {                        \
+    EPFLOW_SKIP_WITHOUT_GPUS(1);                  \
+    fn(1);                                        \
+  }                                               \
+  TEST(suite, name##Ep2) {                        \
+    EPFLOW_SKIP_WITHOUT_GPUS(2);                  \
+    fn(2);                                        \
+  }
+
 namespace epflow::testing {
 
 // One forward call's inputs on every rank.

@@ -419,21 +419,11 @@ void captured_in_cuda_graph(int world) {
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
 }
 
-// Each case at EP=1, and at EP=2 where two GPUs are present (else it reports a skip).
-#define EPFLOW_EP1_AND_EP2_TESTS(name, fn) \
-  TEST(LayerBackwardGpu, name##Ep1) {     \
-    EPFLOW_SKIP_WITHOUT_GPUS(1);          \
-    fn(1);                                \
-  }                                       \
-  TEST(LayerBackwardGpu, name##Ep2) {     \
-    EPFLOW_SKIP_WITHOUT_GPUS(2);          \
-    fn(2);                                \
-  }
-
-EPFLOW_EP1_AND_EP2_TESTS(RingWrapAndIntermediateTail, ring_wrap_and_intermediate_tail)
-EPFLOW_EP1_AND_EP2_TESTS(UnfusedBackwardWithAndWithoutSideStream,
+EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, RingWrapAndIntermediateTail,
+                         ring_wrap_and_intermediate_tail)
+EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, UnfusedBackwardWithAndWithoutSideStream,
                          unfused_backward_with_and_without_side_stream)
-EPFLOW_EP1_AND_EP2_TESTS(CapturedInCudaGraph, captured_in_cuda_graph)
+EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, CapturedInCudaGraph, captured_in_cuda_graph)
 
 // --- the DeepSeek-V3 per-rank shape, checked on samples --------------------------------------
 

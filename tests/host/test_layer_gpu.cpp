@@ -114,21 +114,10 @@ void unfused_chain_matches_reference(int world) {
   run_and_check(c, mixed_calls(c, world, 50), 1 << 30, 5, unfused);
 }
 
-// Each case at EP=1, and at EP=2 where two GPUs are present (else it reports a skip).
-#define EPFLOW_EP1_AND_EP2_TESTS(name, fn) \
-  TEST(LayerGpu, name##Ep1) {             \
-    EPFLOW_SKIP_WITHOUT_GPUS(1);          \
-    fn(1);                                \
-  }                                       \
-  TEST(LayerGpu, name##Ep2) {             \
-    EPFLOW_SKIP_WITHOUT_GPUS(2);          \
-    fn(2);                                \
-  }
-
-EPFLOW_EP1_AND_EP2_TESTS(RingSmallerThanRoutedRows, ring_smaller_than_routed_rows)
-EPFLOW_EP1_AND_EP2_TESTS(SmSplitsAndMinibatchSizes, sm_splits_and_minibatch_sizes)
-EPFLOW_EP1_AND_EP2_TESTS(CapturedInCudaGraph, captured_in_cuda_graph)
-EPFLOW_EP1_AND_EP2_TESTS(UnfusedChainMatchesReference, unfused_chain_matches_reference)
+EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, RingSmallerThanRoutedRows, ring_smaller_than_routed_rows)
+EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, SmSplitsAndMinibatchSizes, sm_splits_and_minibatch_sizes)
+EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, CapturedInCudaGraph, captured_in_cuda_graph)
+EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, UnfusedChainMatchesReference, unfused_chain_matches_reference)
 
 // DeepSeek-V3 per-rank shape: H 7168, I 2048, 32 experts per rank, top-8; T = 1, 100, 4096 on
 // every rank (sampled reference check: 48 tokens per rank; every element checked as written).
@@ -142,7 +131,7 @@ void deepseek_v3(int world) {
   run_and_check(c, calls, 48);
 }
 
-EPFLOW_EP1_AND_EP2_TESTS(DeepSeekV3Shape, deepseek_v3)
+EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, DeepSeekV3Shape, deepseek_v3)
 
 // Back to back calls at a small token count of a narrow-expert shape (Qwen3-30B-A3B per rank:
 // H 2048, I 768, 16 experts, top-8), where most row tiles are partial and many consumer
@@ -158,7 +147,7 @@ void many_calls_at_small_token_counts(int world) {
                 {testing::make_call(c, std::vector<int64_t>(world, 512), Routing::kUniform, 70)},
                 64, 5, repeated);
 }
-EPFLOW_EP1_AND_EP2_TESTS(ManyCallsAtSmallTokenCounts, many_calls_at_small_token_counts)
+EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, ManyCallsAtSmallTokenCounts, many_calls_at_small_token_counts)
 
 // A wait that runs out of time ends the call with an error naming who waited for what, never a
 // hang: with a 1 us timeout and a ring of one tile, the dispatch of tile 1 waits for the gate/up
