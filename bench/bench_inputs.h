@@ -10,10 +10,23 @@
 //   x[t, h]                = bf16(unit(key(seed, kX, r), t * H + h))
 //   gate/up[e, i, h]       = bf16(unit(key(seed, kGate|kUp, r), (e * I + i) * H + h) * H^-1/2)
 //   down[e, h, i]          = bf16(unit(key(seed, kDown, r), (e * H + h) * I + i) * I^-1/2)
-//   topk_idx[t, :]         = the K experts with the largest mix(key(seed, kRoute, r) + t * E + e)
-//                            >> 1, largest first (ties: smaller e first)
+//   topk_idx[t, :]         = the K experts e with the largest score(t, e), largest first (ties:
+//                            smaller e first), by the routing kind (RoutingKind, --routing), with
+//                            h(t, e) = mix(key(seed, kRoute, r) + t * E + e):
+//     uniform: h(t, e) >> 1, an integer
+//     zipf:    lp_e - ln(-ln(u(t, e))) in double: Gumbel-top-k, so the K experts of a token are a
+//              sample without replacement with probabilities p_e proportional to 1 / (1 + r_e)
+//              r_e     = e's place, from 0, among the E experts sorted by
+//                        mix(key(seed, kZipfRank, 0) + e) ascending (ties: smaller e first): rank
+//                        0's key, so every rank ranks the experts alike
+//              lp_e    = -ln(1 + r_e)
+//              u(t, e) = (2 * (h(t, e) >> 12) + 1) * 2^-53: odd multiples of 2^-53 in (0, 1),
+//                        exact in double (h >> 11 plus a half would round to 1.0 at the top)
+//              ln is the C library's here and torch's float64 log in inputs.py: they may differ in
+//              the last ulp, which reorders only scores within an ulp of each other (inputs.py's
+//              selftest compares every topk_idx)
 //   topk_weights[t, k]     = 0.05f + 0.95f * ((mix(key(seed, kRouteWeight, r) + t * K + k) >> 40)
-//                            * 2^-24), in fp32 in that order
+//                            * 2^-24), in fp32 in that order, for every routing kind
 // (e local to the rank for weights, global for routing; scales are 1.0f / sqrtf(fan_in)).
 #pragma once
 
@@ -25,6 +38,7 @@
 
 #include "common/hd.h"
 #include "common/splitmix64.h"
+#include "routing_kind.h"
 
 namespace epflow::bench {
 
@@ -35,6 +49,7 @@ enum class InputStream : uint32_t {
   kDown = 4,
   kRoute = 5,
   kRouteWeight = 6,
+  kZipfRank = 7,
 };
 
 EPFLOW_HD uint64_t mix64(uint64_t z) { return splitmix64(z); }
@@ -61,6 +76,6 @@ struct Routing {
 
 // Rank `rank`'s routing of T tokens over num_experts experts (formulas above).
 Routing make_routing(uint64_t seed, uint32_t rank, int64_t tokens, int32_t num_experts,
-                     int32_t top_k);
+                     int32_t top_k, RoutingKind kind = RoutingKind::kUniform);
 
 }  // namespace epflow::bench

@@ -209,6 +209,11 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
       const Arg a = value();
       o->fp32_grads = one_of(a, a.value, {"bf16", "fp32"}) == "fp32";
       grad_dtype_given = true;
+    } else if (flag == "--routing") {
+      const Arg a = value();
+      std::vector<std::string> names;
+      for (auto kind : kRoutingKinds) names.push_back(routing_name(kind));
+      o->routing = kRoutingKinds[&one_of(a, a.value, names) - names.data()];
     } else if (flag == "--yardstick") {
       const Arg a = value();
       std::vector<std::string> names;
@@ -277,9 +282,9 @@ std::string short_usage_text() {
 
 std::string usage_text() {
   return "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
-         "                    [--warmup N] [--repeats N] [--seed S] [--json PATH] [--baselines LIST]\n"
-         "                    [--check] [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
-         "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
+         "                    [--warmup N] [--repeats N] [--seed S] [--routing uniform|zipf]\n"
+         "                    [--json PATH] [--baselines LIST] [--check] [--comm-sms N[,N...]]\n"
+         "                    [--minibatch-rows R[,R...]] [--ring-rows R[,R...]] [--trace PREFIX]\n"
          "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
          "                    [--grad-dtype bf16|fp32] [--backward-unfused]\n"
          "                    [--backward-side-sms N[,N...]] [--backward-comm-sms N[,N...]]\n"
@@ -293,6 +298,9 @@ std::string usage_text() {
          "  --repeats N  run each point's whole sequence (systems, yardsticks) N times, 1 to 9,\n"
          "               and report the medians over the repeats (default 1)\n"
          "  --seed S     seed of the inputs and routing (default 1)\n"
+         "  --routing    how tokens pick their experts, for every system and --check: uniform\n"
+         "               (default) or zipf, expert popularity proportional to 1 / (1 + its place\n"
+         "               in a seeded ranking, the same on every rank)\n"
          "  --json PATH  also write the results to PATH as JSON (GPU runs)\n"
          "  --backward   also time EPFlow's backward and its stages (dy = x, weight gradients\n"
          "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"

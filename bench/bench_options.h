@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "routing_kind.h"
+
 namespace epflow::bench {
 
 inline constexpr const char* kNcclCublas = "nccl-cublas";
@@ -27,6 +29,9 @@ struct Options {
   // iterations), so one run's power history moves the figures less.
   int32_t repeats = 1;
   uint64_t seed = 1;
+  // The routing distribution of every system's inputs (bench_inputs.h): uniform, or zipf (skewed
+  // expert popularity, the same on every rank).
+  RoutingKind routing = RoutingKind::kUniform;
   std::string json;                                    // write results here as JSON
   std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
   bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking

@@ -5,7 +5,8 @@
 // into each system's own buffers), it times the baselines of --baselines and checks their output
 // against EPFlow's on a few tokens. --check compares both with the CPU reference on a small shape,
 // and EPFlow's backward too.
-// Without a GPU it runs the CPU reference layer on a small preset and says so.
+// Without a GPU it runs the CPU reference layer on a small preset, on the same inputs (--routing's
+// kind too), and says so.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -38,7 +39,6 @@
 #include "presets.h"
 #include "rooflines.h"
 #include "epflow/reference.h"
-#include "reference/synthetic.h"
 #include "unfused/unfused_executors.h"
 
 namespace {
@@ -48,80 +48,11 @@ using namespace epflow;
 using bench::kNcclCublas;
 using bench::kUnfused;
 using bench::Options;
+using bench::RoutingKind;
 using bench::yardstick_mode;
 
 constexpr const char* kSweep = "epflow-sweep";  // EPFlow with --comm-sms / --minibatch-rows
 constexpr double kRelTol = 2e-2;  // relative-norm tolerance of every output check
-
-// The CPU reference on simulated ranks: proves the math end to end and times it (CPU timing).
-int run_cpu_reference(const Options& o, const char* why) {
-  // parse_options accepts known preset names only.
-  const bench::Preset* p = bench::find_preset(o.presets.empty() ? "tiny" : o.presets[0]);
-  const int32_t ep = o.ep > 0 ? o.ep : 2;
-  const int64_t tokens = o.tokens.empty() ? 64 : o.tokens[0];
-  const double macs = double(ep) * tokens * p->top_k * 3.0 * p->hidden * p->intermediate;
-  if (macs > 2e10) {
-    std::fprintf(stderr,
-                 "epflow-bench: %s x %lld tokens x %d ranks is too large for the CPU reference "
-                 "(%.1e MACs); use --preset tiny or fewer --tokens\n",
-                 p->name.c_str(), static_cast<long long>(tokens), ep, macs);
-    return 2;
-  }
-  std::printf("epflow-bench: %s\n", why);
-  std::printf("running the CPU reference layer (fp32 storage, double accumulation) instead\n");
-
-  const LayerConfig c = bench::layer_config(*p, ep, tokens);
-  if (Status s = validate(c); !s.ok()) {
-    std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
-    return 2;
-  }
-  synthetic::InputSpec spec;
-  spec.tokens_per_rank.assign(ep, tokens);
-  spec.seed = o.seed;
-  const auto inputs = synthetic::make_inputs(c, spec);
-  const auto experts = synthetic::make_experts(c, o.seed + 1);
-
-  std::vector<std::vector<float>> y, dy(ep);
-  const auto t0 = std::chrono::steady_clock::now();
-  if (Status s = reference::forward(c, inputs, experts, &y); !s.ok()) {
-    std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
-    return 1;
-  }
-  const auto t1 = std::chrono::steady_clock::now();
-  for (int32_t r = 0; r < ep; ++r) dy[r] = y[r];  // loss = 0.5 * |y|^2
-  std::vector<reference::RankGrads> grads;
-  if (Status s = reference::backward(c, inputs, experts, dy, &grads); !s.ok()) {
-    std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
-    return 1;
-  }
-  const auto t2 = std::chrono::steady_clock::now();
-
-  auto norm = [](const std::vector<float>& v) {
-    double s = 0;
-    for (float f : v) s += double(f) * f;
-    return std::sqrt(s);
-  };
-  int64_t routed = 0;
-  for (const auto& in : inputs)
-    for (int32_t id : in.topk_idx) routed += (id >= 0);
-  const double fwd_s = std::chrono::duration<double>(t1 - t0).count();
-  const double bwd_s = std::chrono::duration<double>(t2 - t1).count();
-  std::printf("preset %s (H %lld, I %lld, %d experts, top-%d), %d simulated ranks x %lld tokens\n",
-              p->name.c_str(), static_cast<long long>(c.hidden),
-              static_cast<long long>(c.intermediate), c.num_experts, c.top_k, ep,
-              static_cast<long long>(tokens));
-  std::printf("%-6s %-8s %14s %14s %14s\n", "rank", "tokens", "|y|", "|dx|", "|dW_down|");
-  for (int32_t r = 0; r < ep; ++r)
-    std::printf("%-6d %-8lld %14.6f %14.6f %14.6f\n", r,
-                static_cast<long long>(inputs[r].num_tokens), norm(y[r]), norm(grads[r].dx),
-                norm(grads[r].d_down));
-  const double flops = bench::forward_flops(c, routed);
-  std::printf(
-      "CPU reference: forward %.3f s (%.2f GFLOP/s), backward %.3f s (%.2f GFLOP/s); "
-      "CPU timings, not a GPU benchmark\n",
-      fwd_s, flops / fwd_s * 1e-9, bwd_s, 2 * flops / bwd_s * 1e-9);
-  return 0;
-}
 
 // --- GPU layer benchmark ---------------------------------------------------------------------
 
@@ -676,6 +607,38 @@ void count_traffic(const LayerConfig& c, const std::vector<bench::Routing>& inpu
     }
 }
 
+// How skewed a routing is: the shares of every rank's routed slots that go to the busiest expert
+// and to the busiest rank (its experts together). Uniform routing gives about 1 / num_experts
+// and 1 / ep.
+struct RoutingSkew {
+  double busiest_expert = 0;
+  double busiest_rank = 0;
+};
+
+RoutingSkew routing_skew(const LayerConfig& c, const std::vector<bench::Routing>& routing) {
+  std::vector<int64_t> per_expert(c.num_experts, 0), per_rank(c.ep_size, 0);
+  int64_t routed = 0;
+  for (const bench::Routing& r : routing)
+    for (int32_t id : r.topk_idx) {
+      if (id < 0) continue;
+      ++per_expert[id];
+      ++per_rank[id / c.experts_per_rank()];
+      ++routed;
+    }
+  if (routed == 0) return {};
+  return {double(*std::max_element(per_expert.begin(), per_expert.end())) / routed,
+          double(*std::max_element(per_rank.begin(), per_rank.end())) / routed};
+}
+
+// Under a point's heading: how skewed its zipf routing is, next to what uniform routing gives.
+void print_routing_skew(const LayerConfig& c, const std::vector<bench::Routing>& routing) {
+  const RoutingSkew skew = routing_skew(c, routing);
+  std::printf("  zipf routing: the busiest expert gets %.1f%% of the routed slots, the busiest "
+              "rank %.1f%% (uniform: %.1f%%, %.1f%%)\n",
+              100 * skew.busiest_expert, 100 * skew.busiest_rank, 100.0 / c.num_experts,
+              100.0 / c.ep_size);
+}
+
 // --- output checks ---------------------------------------------------------------------------
 
 // One system's output against a reference: the worst rank's relative error.
@@ -881,8 +844,8 @@ struct Yardsticks {
 };
 
 // repeat_us (--repeats): the slowest rank's layer time in each repeat.
-std::string run_json(const char* system, const bench::Preset& p, int64_t T, const LayerConfig& c,
-                     const std::vector<RankResult>& ranks, const Check& check,
+std::string run_json(const char* system, const bench::Preset& p, int64_t T, RoutingKind routing,
+                     const LayerConfig& c, const std::vector<RankResult>& ranks, const Check& check,
                      const Variant* variant, const std::vector<double>& repeat_us,
                      const Yardsticks* yard = nullptr) {
   const RankResult& slow = slowest(ranks);
@@ -891,7 +854,8 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
   const double row_bytes = 2.0 * c.hidden;
   std::ostringstream js;
   js << "{\"system\": \"" << system << "\", \"direction\": \"fwd\", \"preset\": \"" << p.name
-     << "\", \"tokens\": " << T << ", \"layer_us\": " << json_num(slow.total_us)
+     << "\", \"tokens\": " << T << ", \"routing\": \"" << bench::routing_name(routing)
+     << "\", \"layer_us\": " << json_num(slow.total_us)
      << ", \"layer_tflops_per_gpu\": " << json_num(flops / slow.total_us * 1e-6);
   for (int st = 0; st < kStages; ++st)
     js << ", \"stage_us_" << st << "\": " << json_num(slow.stage_us[st]);
@@ -948,19 +912,22 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, cons
 
 // EPFlow's fused forward, per stage. Its events: start, schedule done, megakernel start (right
 // after), megakernel end, end; so stage 1 is empty and stage 2 is the megakernel (dispatch,
-// expert FFN and combine, overlapped).
-void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c,
+// expert FFN and combine, overlapped). Under its heading, how skewed a zipf routing is.
+void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c, RoutingKind kind,
+                  const std::vector<bench::Routing>& routing,
                   const std::vector<RankResult>& ranks) {
   const RankResult& slow = slowest(ranks);
   const double flops = bench::forward_flops(c, slow.routed_slots);
   const double ffn_flops = bench::forward_flops(c, slow.rows_received);
   const double nvlink_bytes = (slow.nvlink_rows_in + slow.nvlink_rows_out) * 2.0 * c.hidden;
-  std::printf("\n%s (H %lld, I %lld, %d experts/rank, top-%d), %lld tokens/rank; megakernel: %d "
-              "comm + %d compute SMs, minibatch %lld rows, ring %lld rows (%.0f MB)\n",
+  std::printf("\n%s (H %lld, I %lld, %d experts/rank, top-%d), %lld tokens/rank, %s routing; "
+              "megakernel: %d comm + %d compute SMs, minibatch %lld rows, ring %lld rows "
+              "(%.0f MB)\n",
               p.name.c_str(), (long long)c.hidden, (long long)c.intermediate, c.experts_per_rank(),
-              c.top_k, (long long)T, slow.plan.comm_sms, slow.plan.compute_sms,
-              (long long)slow.plan.minibatch_rows, (long long)slow.plan.ring_rows,
-              slow.plan.ring_bytes * 1e-6);
+              c.top_k, (long long)T, bench::routing_name(kind), slow.plan.comm_sms,
+              slow.plan.compute_sms, (long long)slow.plan.minibatch_rows,
+              (long long)slow.plan.ring_rows, slow.plan.ring_bytes * 1e-6);
+  if (kind == RoutingKind::kZipf) print_routing_skew(c, routing);
   std::printf("  %-26s %10s %12s %14s %10s\n", "stage", "us", "TFLOP/s/GPU", "NVLink MB", "GB/s");
   std::printf("  %-26s %10.1f %12.1f\n", "layer", slow.total_us, flops / slow.total_us * 1e-6);
   std::printf("  %-26s %10.1f\n", "metadata+schedule", slow.stage_us[0]);
@@ -988,6 +955,82 @@ void print_system(const char* system, const LayerConfig& c, const RankResult& sl
     std::printf("  %s (rel. err %.1e vs %s, %zu tokens/rank)", check.verdict(), check.rel_err,
                 check.against.c_str(), checked_tokens);
   std::printf("\n");
+}
+
+// The CPU reference on simulated ranks: proves the math end to end and times it (CPU timing).
+int run_cpu_reference(const Options& o, const char* why) {
+  // parse_options accepts known preset names only.
+  const bench::Preset* p = bench::find_preset(o.presets.empty() ? "tiny" : o.presets[0]);
+  const int32_t ep = o.ep > 0 ? o.ep : 2;
+  const int64_t tokens = o.tokens.empty() ? 64 : o.tokens[0];
+  const double macs = double(ep) * tokens * p->top_k * 3.0 * p->hidden * p->intermediate;
+  if (macs > 2e10) {
+    std::fprintf(stderr,
+                 "epflow-bench: %s x %lld tokens x %d ranks is too large for the CPU reference "
+                 "(%.1e MACs); use --preset tiny or fewer --tokens\n",
+                 p->name.c_str(), static_cast<long long>(tokens), ep, macs);
+    return 2;
+  }
+  std::printf("epflow-bench: %s\n", why);
+  std::printf("running the CPU reference layer (fp32 storage, double accumulation) instead\n");
+
+  const LayerConfig c = bench::layer_config(*p, ep, tokens);
+  if (Status s = validate(c); !s.ok()) {
+    std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
+    return 2;
+  }
+  // The inputs every system of a GPU run gets (bench_inputs.h), --routing's kind included.
+  std::vector<bench::Routing> routing;
+  for (int32_t r = 0; r < ep; ++r)
+    routing.push_back(
+        bench::make_routing(o.seed, static_cast<uint32_t>(r), tokens, c.num_experts, c.top_k,
+                            o.routing));
+  std::vector<reference::RankInput> inputs;
+  std::vector<reference::RankExperts> experts;
+  reference_layer(c, routing, tokens, o.seed, &inputs, &experts);
+
+  std::vector<std::vector<float>> y, dy(ep);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (Status s = reference::forward(c, inputs, experts, &y); !s.ok()) {
+    std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
+    return 1;
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  for (int32_t r = 0; r < ep; ++r) dy[r] = y[r];  // loss = 0.5 * |y|^2
+  std::vector<reference::RankGrads> grads;
+  if (Status s = reference::backward(c, inputs, experts, dy, &grads); !s.ok()) {
+    std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
+    return 1;
+  }
+  const auto t2 = std::chrono::steady_clock::now();
+
+  auto norm = [](const std::vector<float>& v) {
+    double s = 0;
+    for (float f : v) s += double(f) * f;
+    return std::sqrt(s);
+  };
+  int64_t routed = 0;
+  for (const auto& in : inputs)
+    for (int32_t id : in.topk_idx) routed += (id >= 0);
+  const double fwd_s = std::chrono::duration<double>(t1 - t0).count();
+  const double bwd_s = std::chrono::duration<double>(t2 - t1).count();
+  std::printf(
+      "preset %s (H %lld, I %lld, %d experts, top-%d), %d simulated ranks x %lld tokens, %s "
+      "routing\n",
+      p->name.c_str(), static_cast<long long>(c.hidden), static_cast<long long>(c.intermediate),
+      c.num_experts, c.top_k, ep, static_cast<long long>(tokens), bench::routing_name(o.routing));
+  if (o.routing == RoutingKind::kZipf) print_routing_skew(c, routing);
+  std::printf("%-6s %-8s %14s %14s %14s\n", "rank", "tokens", "|y|", "|dx|", "|dW_down|");
+  for (int32_t r = 0; r < ep; ++r)
+    std::printf("%-6d %-8lld %14.6f %14.6f %14.6f\n", r,
+                static_cast<long long>(inputs[r].num_tokens), norm(y[r]), norm(grads[r].dx),
+                norm(grads[r].d_down));
+  const double flops = bench::forward_flops(c, routed);
+  std::printf(
+      "CPU reference: forward %.3f s (%.2f GFLOP/s), backward %.3f s (%.2f GFLOP/s); "
+      "CPU timings, not a GPU benchmark\n",
+      fwd_s, flops / fwd_s * 1e-9, bwd_s, 2 * flops / bwd_s * 1e-9);
+  return 0;
 }
 
 int run_gpu(const Options& o, int devices) {
@@ -1021,8 +1064,9 @@ int run_gpu(const Options& o, int devices) {
   if (unfused_baseline) variants.push_back(Variant{kUnfused, 0, 0, true});
   const std::string device = device_name();
   const char* commit = std::getenv("EPFLOW_COMMIT");
-  std::printf("epflow-bench: %d x %s, EP=%d, bf16, median of %d iterations after %d warm-up\n", ep,
-              device.c_str(), ep, o.iters, o.warmup);
+  std::printf("epflow-bench: %d x %s, EP=%d, bf16, %s routing, median of %d iterations after %d "
+              "warm-up\n",
+              ep, device.c_str(), ep, bench::routing_name(o.routing), o.iters, o.warmup);
   if (nccl_cublas)
     std::printf("baseline nccl-cublas: %s\n", bench::NcclCublasMoe::kDescription);
   if (o.check) {
@@ -1055,7 +1099,7 @@ int run_gpu(const Options& o, int devices) {
       }
       std::vector<bench::Routing> routing;
       for (int32_t r = 0; r < ep; ++r)
-        routing.push_back(bench::make_routing(o.seed, r, T, c.num_experts, c.top_k));
+        routing.push_back(bench::make_routing(o.seed, r, T, c.num_experts, c.top_k, o.routing));
       std::vector<RankResult> results(ep);
       count_traffic(c, routing, &results);
       std::vector<RankResult> base_results = results;
@@ -1202,7 +1246,7 @@ int run_gpu(const Options& o, int devices) {
       }
       // The slowest rank sets the layer's time; report it, per stage too.
       const RankResult& slow = slowest(variant_results[0]);
-      print_epflow(*p, T, c, variant_results[0]);
+      print_epflow(*p, T, c, o.routing, routing, variant_results[0]);
       // Yardsticks from this run (their mean over the GPUs: GPUs of one host clock differently
       // under load): cuBLAS dense bf16 on each GPU's routed rows and the HBM copy rate (weights
       // streamed at decode sizes).
@@ -1265,7 +1309,8 @@ int run_gpu(const Options& o, int devices) {
           std::snprintf(label, sizeof label, "%s", variants[v].system);
         print_system(label, c, vs, v == 0 ? nullptr : &slow, variant_check[v], checked.size());
         json << (first ? "" : ",") << "\n    "
-             << run_json(variants[v].system, *p, T, c, variant_results[v], variant_check[v],
+             << run_json(variants[v].system, *p, T, o.routing, c, variant_results[v],
+                         variant_check[v],
                          &variants[v], layer_us_per_repeat(variant_reps[v]),
                          v == 0 && have_roof ? &yard : nullptr);
         first = false;
@@ -1307,6 +1352,7 @@ int run_gpu(const Options& o, int devices) {
           auto bwd_json = [&](const char* system, double us) {
             json << ",\n    {\"system\": \"" << system << "\", \"direction\": \"bwd\", "
                  << "\"preset\": \"" << p->name << "\", \"tokens\": " << T
+                 << ", \"routing\": \"" << bench::routing_name(o.routing) << "\""
                  << ", \"layer_us\": " << json_num(us)
                  << ", \"layer_tflops_per_gpu\": " << json_num(tflops(us))
                  << ", \"grad_dtype\": \"" << dtype << "\"";
@@ -1360,7 +1406,7 @@ int run_gpu(const Options& o, int devices) {
           std::printf("%s %s %.1f", st ? "," : "", kStageNames[st], base.stage_us[st]);
         std::printf("\n");
         json << ",\n    "
-             << run_json(kNcclCublas, *p, T, c, base_results, base_check, nullptr,
+             << run_json(kNcclCublas, *p, T, o.routing, c, base_results, base_check, nullptr,
                          layer_us_per_repeat(base_reps));
         all_ok = all_ok && base_check.ok();
       }

@@ -2,7 +2,9 @@
 // inputs (bench/bench_inputs.h) so that bench/baselines/inputs.py --selftest can prove its torch
 // mirror reproduces them bit for bit. CPU only: it runs the host side of the same functions the
 // GPU fill kernel runs (unit_value, fan_in_scale, __float2bfloat16 round-to-nearest-even) and
-// the very make_routing epflow-bench calls.
+// the very make_routing epflow-bench calls, for the routing kind of --routing. The routing lists
+// every topk_idx, so that a difference names its token; --routing-only leaves the fills out (a
+// routing of a large preset without gigabytes of expert weights).
 //
 // Checksums are sums modulo 2^64 of bit patterns (bf16 bits, fp32 bits, expert ids), plain and
 // weighted by (index + 1): exact, independent of summation order, and sensitive to permutations.
@@ -26,17 +28,25 @@ struct Options {
   int32_t ep = 1;
   int32_t rank = 0;
   uint64_t seed = 1;
+  bench::RoutingKind routing = bench::RoutingKind::kUniform;
+  bool routing_only = false;
 };
 
 void usage() {
   std::fprintf(stderr,
                "usage: epflow-inputs-dump --preset NAME [--tokens T] [--ep N] [--rank R] "
-               "[--seed S]\n");
+               "[--seed S] [--routing uniform|zipf] [--routing-only]\n");
 }
 
 bool parse(int argc, char** argv, Options* o) {
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--routing-only") {
+      o->routing_only = true;
+      continue;
+    }
+    if (i + 1 == argc) return false;
+    const std::string v = argv[++i];
     if (a == "--preset")
       o->preset = v;
     else if (a == "--tokens")
@@ -47,10 +57,14 @@ bool parse(int argc, char** argv, Options* o) {
       o->rank = std::atoi(v.c_str());
     else if (a == "--seed")
       o->seed = std::strtoull(v.c_str(), nullptr, 10);
+    else if (a == "--routing" && v == bench::routing_name(bench::RoutingKind::kUniform))
+      o->routing = bench::RoutingKind::kUniform;
+    else if (a == "--routing" && v == bench::routing_name(bench::RoutingKind::kZipf))
+      o->routing = bench::RoutingKind::kZipf;
     else
       return false;
   }
-  return argc % 2 == 1 && !o->preset.empty() && o->tokens > 0 && o->ep > 0 && o->rank >= 0 &&
+  return !o->preset.empty() && o->tokens > 0 && o->ep > 0 && o->rank >= 0 &&
          o->rank < o->ep;
 }
 
@@ -124,15 +138,17 @@ int main(int argc, char** argv) {
       "  \"tokens\": %lld, \"ep\": %d, \"rank\": %d, \"seed\": %llu,\n",
       p->name.c_str(), (long long)H, (long long)I, (long long)E, num_experts, K, (long long)T, o.ep,
       o.rank, (unsigned long long)o.seed);
-  print_fill("x", T * H, 1.0f, bench::stream_key(o.seed, InputStream::kX, rank));
-  print_fill("gate", E * I * H, bench::fan_in_scale(H),
-             bench::stream_key(o.seed, InputStream::kGate, rank));
-  print_fill("up", E * I * H, bench::fan_in_scale(H),
-             bench::stream_key(o.seed, InputStream::kUp, rank));
-  print_fill("down", E * H * I, bench::fan_in_scale(I),
-             bench::stream_key(o.seed, InputStream::kDown, rank));
+  if (!o.routing_only) {
+    print_fill("x", T * H, 1.0f, bench::stream_key(o.seed, InputStream::kX, rank));
+    print_fill("gate", E * I * H, bench::fan_in_scale(H),
+               bench::stream_key(o.seed, InputStream::kGate, rank));
+    print_fill("up", E * I * H, bench::fan_in_scale(H),
+               bench::stream_key(o.seed, InputStream::kUp, rank));
+    print_fill("down", E * H * I, bench::fan_in_scale(I),
+               bench::stream_key(o.seed, InputStream::kDown, rank));
+  }
 
-  const bench::Routing r = bench::make_routing(o.seed, rank, T, num_experts, K);
+  const bench::Routing r = bench::make_routing(o.seed, rank, T, num_experts, K, o.routing);
   uint64_t idx_sum = 0, idx_weighted_sum = 0, w_bits_sum = 0, w_bits_weighted_sum = 0;
   for (size_t s = 0; s < r.topk_idx.size(); ++s) {
     idx_sum += uint64_t(int64_t(r.topk_idx[s]));
@@ -141,17 +157,22 @@ int main(int argc, char** argv) {
     w_bits_weighted_sum += uint64_t(f32_bits(r.topk_weights[s])) * (s + 1);
   }
   std::printf(
-      "  \"routing\": {\"route_key\": %llu, \"weight_key\": %llu, \"idx_sum\": %llu, "
-      "\"idx_weighted_sum\": %llu, \"weight_bits_sum\": %llu, "
-      "\"weight_bits_weighted_sum\": %llu, \"samples\": [",
+      "  \"routing\": {\"kind\": \"%s\", \"route_key\": %llu, \"weight_key\": %llu, "
+      "\"zipf_rank_key\": %llu, \"idx_sum\": %llu, \"idx_weighted_sum\": %llu, "
+      "\"weight_bits_sum\": %llu, \"weight_bits_weighted_sum\": %llu, \"samples\": [",
+      bench::routing_name(o.routing),
       (unsigned long long)bench::stream_key(o.seed, InputStream::kRoute, rank),
       (unsigned long long)bench::stream_key(o.seed, InputStream::kRouteWeight, rank),
+      (unsigned long long)bench::stream_key(o.seed, InputStream::kZipfRank, 0),
       (unsigned long long)idx_sum, (unsigned long long)idx_weighted_sum,
       (unsigned long long)w_bits_sum, (unsigned long long)w_bits_weighted_sum);
   const auto slots = sample_indices(T * K);
   for (size_t j = 0; j < slots.size(); ++j)
     std::printf("%s{\"slot\": %lld, \"idx\": %d, \"weight\": %.9g}", j ? ", " : "",
                 (long long)slots[j], r.topk_idx[slots[j]], r.topk_weights[slots[j]]);
+  std::printf("],\n    \"topk_idx\": [");
+  for (size_t s = 0; s < r.topk_idx.size(); ++s)
+    std::printf("%s%d", s ? "," : "", r.topk_idx[s]);
   std::printf("]}\n}\n");
   return 0;
 }

@@ -3,7 +3,9 @@
 output, never typed by hand). epflow-gemm-bench results ("kind": "gemm") get a table of their
 own. Layer results with any system besides EPFlow (epflow-bench's baselines, bench/baselines/
 torch_moe.py, bench/run_all.py's merged file) get a side-by-side comparison, then EPFlow's
-per-stage table. Usage: bench/report.py RESULT.json [RESULT.json ...]"""
+per-stage table. Every table names each row's routing distribution (epflow-bench --routing);
+files from before it have none and are uniform.
+Usage: bench/report.py RESULT.json [RESULT.json ...]"""
 import json
 import sys
 
@@ -17,6 +19,11 @@ SWEEP = "epflow-sweep"
 SIDE_AB = "epflow-bwd-side"  # epflow-bench --backward-side-sms: the backward's side-stream A/B
 
 
+def routing_of(r):
+    """A run's routing distribution: runs from before --routing name none and were uniform."""
+    return r.get("routing", "uniform")
+
+
 def is_baseline(system):
     """Systems EPFlow is compared with: not EPFlow's own variants (unfused chain, knob sweep)."""
     return not system.startswith("epflow")
@@ -25,18 +32,18 @@ def is_baseline(system):
 def render_fused(docs):
     """EPFlow's fused forward per stage: the megakernel is one stage (dispatch, expert FFN and
     combine overlapped inside it); its TFLOP/s count the rows this GPU's experts computed."""
-    print("| preset | tokens/rank | EP | layer µs | layer TFLOP/s/GPU | metadata+schedule µs "
-          "| megakernel µs (expert TFLOP/s, NVLink GB/s) | barrier+sum µs | comm SMs "
-          "| minibatch rows | ring rows (MB) | layer / cuBLAS dense | layer / weight stream "
-          "| per rank: megakernel / barrier+sum µs | device | commit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| preset | tokens/rank | EP | routing | layer µs | layer TFLOP/s/GPU "
+          "| metadata+schedule µs | megakernel µs (expert TFLOP/s, NVLink GB/s) "
+          "| barrier+sum µs | comm SMs | minibatch rows | ring rows (MB) | layer / cuBLAS dense "
+          "| layer / weight stream | per rank: megakernel / barrier+sum µs | device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for doc in docs:
         for r in doc["runs"]:
             mk = r["stage_us_1"] + r["stage_us_2"]
             nvlink = r["dispatch_nvlink_bytes"] + r["combine_nvlink_bytes"]
             ffn = r["ffn_tflops_per_gpu"] * r["stage_us_2"] / mk if r["ffn_tflops_per_gpu"] else 0
             print(f"| {r['preset']} | {r['tokens']} | {r.get('ep', doc.get('ep'))} "
-                  f"| {r['layer_us']:.0f} | {r['layer_tflops_per_gpu']:.1f} "
+                  f"| {routing_of(r)} | {r['layer_us']:.0f} | {r['layer_tflops_per_gpu']:.1f} "
                   f"| {r['stage_us_0']:.0f} | {mk:.0f} ({ffn:.0f}, {nvlink / mk * 1e-3:.0f}) "
                   f"| {r['stage_us_3']:.0f} | {r['comm_sms']} | {r['minibatch_rows']} "
                   f"| {r['ring_rows']} ({r['ring_bytes'] * 1e-6:.0f}) "
@@ -72,26 +79,30 @@ def times(ratio, stream_us):
     return "n/a" if ratio is None else f"{ratio:.2f}x of {stream_us:.0f} µs"
 
 
+def point(r):
+    """The point a run measured: (preset, tokens, EP, routing)."""
+    return r["preset"], r["tokens"], r["ep"], r["routing"]
+
+
 def epflow_by_point(runs, direction):
-    """EPFlow's default runs of one direction by (preset, tokens, EP): what variants compare to."""
-    return {(r["preset"], r["tokens"], r["ep"]): r for r in runs
-            if r["system"] == "epflow" and r["direction"] == direction}
+    """EPFlow's default runs of one direction by point: what variants compare to."""
+    return {point(r): r for r in runs if r["system"] == "epflow" and r["direction"] == direction}
 
 
 def render_sweep(runs):
     """The knob sweep: every (comm SMs, minibatch rows, ring rows) next to the automatic
     default."""
     defaults = epflow_by_point(runs, "fwd")
-    print("| preset | tokens/rank | EP | comm SMs | minibatch rows | ring rows | layer µs "
-          "| TFLOP/s/GPU | vs default | default: comm SMs, minibatch rows, ring rows |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| preset | tokens/rank | EP | routing | comm SMs | minibatch rows | ring rows "
+          "| layer µs | TFLOP/s/GPU | vs default | default: comm SMs, minibatch rows, ring rows |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted((r for r in runs if r["system"] == SWEEP),
-                    key=lambda r: (r["preset"], r["ep"], r["tokens"], r["comm_sms"],
+                    key=lambda r: (r["preset"], r["routing"], r["ep"], r["tokens"], r["comm_sms"],
                                    r["minibatch_rows"], r["ring_rows"])):
-        d = defaults.get((r["preset"], r["tokens"], r["ep"]))
+        d = defaults.get(point(r))
         vs = f"{d['layer_us'] / r['layer_us']:.2f}x" if d else "n/a"
         dk = f"{d['comm_sms']}, {d['minibatch_rows']}, {d['ring_rows']}" if d else "n/a"
-        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['comm_sms']} "
+        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['routing']} | {r['comm_sms']} "
               f"| {r['minibatch_rows']} | {r['ring_rows']} | {r['layer_us']:.0f} "
               f"| {r['layer_tflops_per_gpu']:.1f} "
               f"| {vs} | {dk} |")
@@ -104,11 +115,13 @@ def render_backward_stages(runs):
            and "stage_us" in r]
     names = list(bwd[0]["stage_us"])
     cols = [n.replace("|", "\\|") for n in names]  # markdown cells
-    print("| preset | tokens/rank | EP | backward µs | " + " | ".join(f"{n} µs" for n in cols)
+    print("| preset | tokens/rank | EP | routing | backward µs | "
+          + " | ".join(f"{n} µs" for n in cols)
           + " | forward keeping g\\|u µs | grad dtype | commit |")
-    print("|---|---|---|---|" + "---|" * len(names) + "---|---|---|")
+    print("|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|")
     for r in bwd:
-        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['layer_us']:.0f} | "
+        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['routing']} "
+              f"| {r['layer_us']:.0f} | "
               + " | ".join(f"{r['stage_us'][n]:.0f}" for n in names)
               + f" | {fmt(r.get('forward_saving_us'), '.0f')} | {r.get('grad_dtype', 'n/a')} "
               f"| {r['commit']} |")
@@ -117,29 +130,32 @@ def render_backward_stages(runs):
 def render_side_ab(runs):
     """The backward with each side-stream SM count (0: no side stream) next to the default."""
     defaults = epflow_by_point(runs, "bwd")
-    print("| preset | tokens/rank | EP | side SMs | backward µs | TFLOP/s/GPU | default µs "
-          "| this / default (time) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| preset | tokens/rank | EP | routing | side SMs | backward µs | TFLOP/s/GPU "
+          "| default µs | this / default (time) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in sorted((r for r in runs if r["system"] == SIDE_AB),
-                    key=lambda r: (r["preset"], r["ep"], r["tokens"], r["backward_side_sms"])):
-        d = defaults.get((r["preset"], r["tokens"], r["ep"]))
+                    key=lambda r: (r["preset"], r["routing"], r["ep"], r["tokens"],
+                                   r["backward_side_sms"])):
+        d = defaults.get(point(r))
         vs = f"{r['layer_us'] / d['layer_us']:.2f}x" if d else "n/a"
-        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['backward_side_sms']} "
+        print(f"| {r['preset']} | {r['tokens']} | {r['ep']} | {r['routing']} "
+              f"| {r['backward_side_sms']} "
               f"| {r['layer_us']:.0f} | {r['layer_tflops_per_gpu']:.1f} "
               f"| {fmt(d and d['layer_us'], '.0f')} | {vs} |")
 
 
 def render_layer(docs):
-    print("| preset | tokens/rank | EP | layer µs | layer TFLOP/s/GPU | metadata+schedule µs "
-          "| dispatch µs (GB/s) | expert FFN µs | combine+sum µs (GB/s) | device | commit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| preset | tokens/rank | EP | routing | layer µs | layer TFLOP/s/GPU "
+          "| metadata+schedule µs | dispatch µs (GB/s) | expert FFN µs | combine+sum µs (GB/s) "
+          "| device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for doc in docs:
         for r in doc["runs"]:
             def gbs(bytes_key, stage):
                 us = r[stage]
                 return r[bytes_key] / us * 1e-3 if us > 0 and r[bytes_key] > 0 else 0.0
             print(f"| {r['preset']} | {r['tokens']} | {r.get('ep', doc.get('ep'))} "
-                  f"| {r['layer_us']:.0f} "
+                  f"| {routing_of(r)} | {r['layer_us']:.0f} "
                   f"| {r['layer_tflops_per_gpu']:.1f} | {r['stage_us_0']:.0f} "
                   f"| {r['stage_us_1']:.0f} ({gbs('dispatch_nvlink_bytes', 'stage_us_1'):.0f}) "
                   f"| {r['stage_us_2']:.0f} "
@@ -148,14 +164,16 @@ def render_layer(docs):
 
 
 def layer_runs(docs):
-    """Every run of the layer docs, each with its system, direction, EP, device and commit:
-    epflow-bench's older files name no system (it is EPFlow) nor direction (forward); a merged
-    file (bench/run_all.py) carries the EP in each run."""
+    """Every run of the layer docs, each with its system, direction, EP, routing, device and
+    commit: epflow-bench's older files name no system (it is EPFlow) nor direction (forward), and
+    files from before --routing no routing (uniform); a merged file (bench/run_all.py) carries the
+    EP in each run."""
     runs = []
     for doc in docs:
         for r in doc["runs"]:
             runs.append({"system": "epflow", "direction": "fwd", "ep": doc.get("ep"),
-                         "device": doc["device"], "commit": doc["commit"], **r})
+                         "routing": routing_of(r), "device": doc["device"],
+                         "commit": doc["commit"], **r})
     return runs
 
 
@@ -166,8 +184,9 @@ def series_key(system, direction):
 
 
 def render_comparison(runs):
-    """Side-by-side µs and TFLOP/s per GPU of every (system, direction) per (preset, tokens, EP),
-    and EPFlow's forward speedup over the fastest baseline forward of the same row; with EPFlow
+    """Side-by-side µs and TFLOP/s per GPU of every (system, direction) per point (preset, tokens,
+    EP, routing: each routing a row of its own), and EPFlow's forward speedup over the fastest
+    baseline forward of the same row; with EPFlow
     backward runs, its speedup over the fastest baseline backward and its TFLOP/s (twice the
     forward FLOPs) against the cuBLAS dense yardstick of the same row's EPFlow forward run."""
     runs = [r for r in runs if r["system"] not in (SWEEP, SIDE_AB)]
@@ -175,19 +194,21 @@ def render_comparison(runs):
     presets = list(dict.fromkeys(r["preset"] for r in runs))
     unfused = ("epflow-unfused", "fwd") in series
     backward = ("epflow", "bwd") in series
+    routings = list(dict.fromkeys(r["routing"] for r in runs))
     rows = {}
     for r in runs:
-        rows.setdefault((r["preset"], r["tokens"], r["ep"]), {})[(r["system"], r["direction"])] = r
-    print("| preset | tokens/rank | EP | "
+        rows.setdefault(point(r), {})[(r["system"], r["direction"])] = r
+    print("| preset | tokens/rank | EP | routing | "
           + " | ".join(f"{s} {d} µs (TFLOP/s/GPU)" for s, d in series)
           + " | EPFlow fwd speedup vs best baseline fwd"
           + (" | EPFlow fused vs unfused" if unfused else "")
           + (" | EPFlow bwd speedup vs best baseline bwd | EPFlow bwd / cuBLAS dense" if backward
              else "") + " | device | commit |")
-    print("|---|---|---|" + "---|" * len(series) + "---|" * (1 + unfused + 2 * backward)
+    print("|---|---|---|---|" + "---|" * len(series) + "---|" * (1 + unfused + 2 * backward)
           + "---|---|")
-    for preset, tokens, ep in sorted(rows, key=lambda k: (presets.index(k[0]), -k[2], k[1])):
-        row = rows[(preset, tokens, ep)]
+    for preset, tokens, ep, routing in sorted(
+            rows, key=lambda k: (presets.index(k[0]), routings.index(k[3]), -k[2], k[1])):
+        row = rows[(preset, tokens, ep, routing)]
         cells = []
         for key in series:
             r = row.get(key)
@@ -213,7 +234,7 @@ def render_comparison(runs):
             dense = f.get("cublas_dense_tflops") if f else None
             speedup += " | " + (f"{100 * b['layer_tflops_per_gpu'] / dense:.1f}% of {dense:.0f}"
                                 if b and dense else "n/a")
-        print(f"| {preset} | {tokens} | {ep} | " + " | ".join(cells)
+        print(f"| {preset} | {tokens} | {ep} | {routing} | " + " | ".join(cells)
               + f" | {speedup} | {device} | {commit} |")
 
 

@@ -8,10 +8,15 @@ First, two checks that make the comparison mean something: the torch inputs on t
 C++ ones (bench/baselines/inputs.py --selftest against epflow-inputs-dump, built beside
 epflow-bench) and the PyTorch layer matches an fp32 reference (torch_moe.py --check).
 
+--routing uniform,zipf runs every point under each routing distribution (epflow-bench's and
+torch_moe.py's --routing; default uniform alone): the runs carry their routing, so the merged
+JSON and the table keep them apart, and each routing gets its own plot (RESULTS-ROUTING.png when
+there are several).
+
 Usage: bench/run_all.py --out results.json [--bench build/epflow-bench] [--dump PATH]
          [--png results.png] [--presets a,b] [--tokens 128,512] [--ep 1,2] [--iters N]
-         [--warmup N] [--repeats N] [--seed S] [--yardstick at-once|one-by-one|interleaved]
-         [--backward]"""
+         [--warmup N] [--repeats N] [--seed S] [--routing uniform,zipf]
+         [--yardstick at-once|one-by-one|interleaved] [--backward]"""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +32,8 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR / "baselines"))
+import inputs  # noqa: E402  (the routing kinds' names; torch, which the baseline needs anyway)
 import plot  # noqa: E402
 import report  # noqa: E402
 
@@ -66,6 +73,18 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def routing_list(text: str) -> list[str]:
+    """--routing's comma-separated kinds, each known and named once, in the order given."""
+    kinds = text.split(",")
+    for kind in kinds:
+        if kind not in inputs.ROUTINGS:
+            raise argparse.ArgumentTypeError(
+                f"{kind!r} is not one of {', '.join(inputs.ROUTINGS)}")
+    if len(set(kinds)) < len(kinds):
+        raise argparse.ArgumentTypeError(f"{text!r} names a routing twice")
+    return kinds
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,6 +105,9 @@ def parse_args() -> argparse.Namespace:
                     "(epflow-bench: EPFlow, its unfused chain, NCCL+cuBLAS, yardsticks; "
                     "torch_moe.py: NCCL+PyTorch forward and backward)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--routing", type=routing_list, default=[inputs.ROUTINGS[0]],
+                    help="routing distributions, comma-separated: every system runs every point "
+                    "under each (" + ", ".join(inputs.ROUTINGS) + "; default uniform)")
     ap.add_argument("--backward", action="store_true",
                     help="also time EPFlow's backward (epflow-bench --backward, bf16 weight "
                     "gradients like the PyTorch layer's) next to the NCCL+PyTorch backward")
@@ -120,22 +142,28 @@ def main() -> int:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     torch_moe = str(BENCH_DIR / "baselines" / "torch_moe.py")
 
+    # The selftest compares every routing kind.
     run([sys.executable, str(BENCH_DIR / "baselines" / "inputs.py"), "--selftest", str(dump),
          "--device", "cuda"], env)
-    run([*torchrun, str(max(eps)), torch_moe, "--check"], env)
+    for routing in args.routing:
+        run([*torchrun, str(max(eps)), torch_moe, "--check", "--routing", routing], env)
     docs = []
     with tempfile.TemporaryDirectory(prefix="epflow-run-all-") as tmp:
-        for ep in eps:
-            part = Path(tmp) / f"epflow-ep{ep}.json"
-            docs.append(run_json([str(bench), "--ep", str(ep), "--preset", args.presets, *common,
-                                  "--yardstick", args.yardstick,
-                                  *(["--backward"] if args.backward else []),
-                                  "--json", str(part)], env, part))
-            part = Path(tmp) / f"torch-ep{ep}.json"
-            docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets", args.presets,
-                                  *common, "--json", str(part)], env, part))
+        for routing in args.routing:
+            for ep in eps:
+                part = Path(tmp) / f"epflow-ep{ep}-{routing}.json"
+                docs.append(run_json([str(bench), "--ep", str(ep), "--preset", args.presets,
+                                      *common, "--routing", routing,
+                                      "--yardstick", args.yardstick,
+                                      *(["--backward"] if args.backward else []),
+                                      "--json", str(part)], env, part))
+                part = Path(tmp) / f"torch-ep{ep}-{routing}.json"
+                docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets", args.presets,
+                                      *common, "--routing", routing, "--json", str(part)],
+                                     env, part))
 
-    # One layer document whose runs carry their EP (report.py and plot.py read it as is).
+    # One layer document whose runs carry their EP and routing (report.py and plot.py read it as
+    # is).
     runs = report.layer_runs(docs)
     device = " / ".join(dict.fromkeys(d["device"] for d in docs))
     for r in runs:
@@ -147,8 +175,13 @@ def main() -> int:
     args.out.write_text(json.dumps(merged, indent=2) + "\n")
     print(f"\nmerged results: {args.out}\n")
     report.render_comparison(report.layer_runs([merged]))
-    plot.plot(report.layer_runs([merged]), plot.title_of([merged]), args.png)
-    print(f"\nplot: {args.png}")
+    # A plot draws one series per system and point: one plot per routing.
+    for routing in args.routing:
+        png = (args.png if len(args.routing) == 1
+               else args.png.with_name(f"{args.png.stem}-{routing}{args.png.suffix}"))
+        routed = [r for r in report.layer_runs([merged]) if r["routing"] == routing]
+        plot.plot(routed, f"{plot.title_of([merged])}, {routing} routing", png)
+        print(f"\nplot ({routing} routing): {png}")
     return 0
 
 

@@ -6,8 +6,10 @@ bench/bench_inputs.h; rank = global rank, num_experts = experts_per_rank * world
 
 One process per GPU under torchrun:
   torchrun --standalone --nproc_per_node N bench/baselines/torch_moe.py \\
-      --presets deepseek-v3 --tokens 512,2048 --repeats 3 --json out.json
+      --presets deepseek-v3 --tokens 512,2048 --repeats 3 --routing zipf --json out.json
   torchrun --standalone --nproc_per_node N bench/baselines/torch_moe.py --check
+--routing uniform|zipf (as epflow-bench's; default uniform) picks inputs.py's routing
+distribution, for the timing and for --check; every JSON run names it.
 
 The layer (moe_layer) and why its backward costs no more than its GEMMs and row moves need:
 - Weights are kept in the layout the grouped GEMMs read: w1 [E_local, H, 2I] (the columns of
@@ -208,10 +210,11 @@ def make_weights(seed: int, rank: int, p: inputs.Preset, device: torch.device) -
 
 
 def make_tokens(seed: int, rank: int, p: inputs.Preset, tokens: int, world: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                device: torch.device,
+                routing: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = inputs.make_x(seed, rank, tokens, p.hidden, device).requires_grad_()
     idx, w = inputs.make_routing(seed, rank, tokens, p.experts_per_rank * world, p.top_k,
-                                 device)
+                                 device, routing)
     return x, idx, w.requires_grad_()
 
 
@@ -233,7 +236,7 @@ def drop_slots(topk_idx: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def reference(seed: int, p: inputs.Preset, tokens: int, world: int) -> tuple[
+def reference(seed: int, p: inputs.Preset, tokens: int, world: int, routing: str) -> tuple[
         list[torch.Tensor], list[list[torch.Tensor]]]:
     """Every rank's y and gradients [dx, d topk_weights, d w1, d w2], in fp32 on the CPU, token
     by token, for loss = sum over ranks of <y_r, dy_r>."""
@@ -241,7 +244,7 @@ def reference(seed: int, p: inputs.Preset, tokens: int, world: int) -> tuple[
     leaves, idx_all, ys = [], [], []
     for r in range(world):
         w1, w2 = make_weights(seed, r, p, cpu)
-        x, idx, tw = make_tokens(seed, r, p, tokens, world, cpu)
+        x, idx, tw = make_tokens(seed, r, p, tokens, world, cpu, routing)
         leaves.append([t.detach().float().requires_grad_() for t in (x, tw, w1, w2)])
         idx_all.append(drop_slots(idx))
     inter, el = p.intermediate, p.experts_per_rank
@@ -265,13 +268,13 @@ def reference(seed: int, p: inputs.Preset, tokens: int, world: int) -> tuple[
     return [y.detach() for y in ys], [[t.grad for t in rank_leaves] for rank_leaves in leaves]
 
 
-def run_check(seed: int, rank: int, world: int, device: torch.device) -> bool:
+def run_check(seed: int, rank: int, world: int, device: torch.device, routing: str) -> bool:
     p = inputs.PRESETS[CHECK_PRESET]
     w1, w2 = make_weights(seed, rank, p, device)
-    x, idx, tw = make_tokens(seed, rank, p, CHECK_TOKENS, world, device)
+    x, idx, tw = make_tokens(seed, rank, p, CHECK_TOKENS, world, device, routing)
     y = moe_layer(x, drop_slots(idx), tw, w1, w2, world)
     y.backward(grad_output(seed, rank, CHECK_TOKENS, p.hidden, device))
-    ref_y, ref_grads = reference(seed, p, CHECK_TOKENS, world)
+    ref_y, ref_grads = reference(seed, p, CHECK_TOKENS, world, routing)
     got = [y, x.grad, tw.grad, w1.grad, w2.grad]
     want = [ref_y[rank]] + ref_grads[rank]
     ok = True
@@ -323,7 +326,7 @@ def bench_config(p: inputs.Preset, tokens: int, w1: torch.Tensor, w2: torch.Tens
                  device: torch.device) -> tuple[list[float], list[float], int]:
     """This rank's (forward ms per repeat, backward ms per repeat, routed slots): each repeat
     the forward's median over its warm-up + timed calls, then the backward's likewise."""
-    x, idx, tw = make_tokens(args.seed, rank, p, tokens, world, device)
+    x, idx, tw = make_tokens(args.seed, rank, p, tokens, world, device, args.routing)
     dy = grad_output(args.seed, rank, tokens, p.hidden, device)
     leaves = [x, tw, w1, w2]
 
@@ -366,7 +369,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 us = slow[col] * 1e3
                 tflops = mult * flops * slow[2] / us * 1e-6
                 run = {"system": SYSTEM, "direction": direction, "preset": name,
-                       "tokens": tokens, "layer_us": us, "layer_tflops_per_gpu": tflops}
+                       "tokens": tokens, "routing": args.routing, "layer_us": us,
+                       "layer_tflops_per_gpu": tflops}
                 # As epflow-bench: each repeat's slowest rank, when there is more than one.
                 first = 3 + col * reps
                 repeat_us = [max(v[first + i] for v in per_rank) * 1e3 for i in range(reps)]
@@ -376,7 +380,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 if rank == 0:
                     each = (" (repeats: " + " / ".join(f"{u:.1f}" for u in repeat_us) + ")"
                             if reps > 1 else "")
-                    print(f"{SYSTEM} {name} tokens/rank {tokens} EP {world} {direction}: "
+                    print(f"{SYSTEM} {name} tokens/rank {tokens} EP {world} {args.routing} "
+                          f"routing {direction}: "
                           f"{us:.1f} us, {tflops:.1f} TFLOP/s/GPU{each}", flush=True)
         del w1, w2
         torch.cuda.empty_cache()
@@ -399,6 +404,10 @@ def parse_args() -> argparse.Namespace:
                          "backward, each warm-up + --iters calls) N times and report per rank the "
                          "median over the repeats of each repeat's median (default 1)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--routing", default=inputs.ROUTINGS[0], choices=inputs.ROUTINGS,
+                    help="how tokens pick their experts, as epflow-bench's --routing: uniform "
+                         "(default) or zipf (expert popularity proportional to 1 / (1 + its place "
+                         "in a seeded ranking)); for --check too")
     ap.add_argument("--json", help="write the results here (rank 0)")
     ap.add_argument("--check", action="store_true",
                     help=f"compare with an fp32 per-token reference on the {CHECK_PRESET} preset, "
@@ -430,7 +439,7 @@ def main() -> int:
         sys.exit("torch_moe.py: timing needs CUDA GPUs; without them only --check runs (gloo)")
     try:
         if args.check:
-            ok = run_check(args.seed, rank, world, device)
+            ok = run_check(args.seed, rank, world, device, args.routing)
             flag = torch.tensor([0 if ok else 1], device=device)
             dist.all_reduce(flag)
             if rank == 0:

@@ -40,6 +40,7 @@ TEST(BenchOptions, NoFlagsGiveTheDefaults) {
   EXPECT_EQ(o.iters, 20);
   EXPECT_EQ(o.repeats, 1);
   EXPECT_EQ(o.seed, 1u);
+  EXPECT_EQ(o.routing, RoutingKind::kUniform);
   EXPECT_EQ(o.baselines, (std::vector<std::string>{kNcclCublas, kUnfused}));
   EXPECT_FALSE(o.check || o.backward || o.backward_unfused || o.fp32_grads);
   EXPECT_EQ(o.yardstick, Options::Yardstick::kAtOnce);
@@ -51,7 +52,7 @@ TEST(BenchOptions, FullCommandLine) {
   const ParseResult r = parse(
       {"--preset", "tiny,deepseek-v3", "--tokens", "64,128", "--tokens", "256", "--ep", "2",
        "--iters", "5", "--warmup", "0", "--repeats", "3", "--seed", "18446744073709551615",
-       "--json", dir + "/results.json", "--baselines", "epflow-unfused", "--check", "--comm-sms",
+       "--routing", "zipf", "--json", dir + "/results.json", "--baselines", "epflow-unfused", "--check", "--comm-sms",
        "0,8", "--minibatch-rows", "1024", "--ring-rows", "0,16384", "--trace", dir + "/trace",
        "--yardstick", "interleaved", "--backward", "--grad-dtype", "fp32", "--backward-unfused",
        "--backward-side-sms", "0,4", "--backward-comm-sms", "6,20"});
@@ -64,6 +65,7 @@ TEST(BenchOptions, FullCommandLine) {
   EXPECT_EQ(o.warmup, 0);
   EXPECT_EQ(o.repeats, 3);
   EXPECT_EQ(o.seed, UINT64_MAX);
+  EXPECT_EQ(o.routing, RoutingKind::kZipf);
   EXPECT_EQ(o.json, dir + "/results.json");
   EXPECT_EQ(o.baselines, (std::vector<std::string>{kUnfused}));
   EXPECT_TRUE(o.check);
@@ -81,12 +83,15 @@ TEST(BenchOptions, FullCommandLine) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/results.json"));
 }
 
-TEST(BenchOptions, NoBaselinesAndEveryYardstick) {
+TEST(BenchOptions, NoBaselinesAndEveryYardstickAndRouting) {
   EXPECT_TRUE(parse({"--baselines", "none"}).options.baselines.empty());
   EXPECT_EQ(parse({"--yardstick", "one-by-one"}).options.yardstick,
             Options::Yardstick::kOneByOne);
   EXPECT_EQ(parse({"--yardstick", "at-once"}).options.yardstick, Options::Yardstick::kAtOnce);
   EXPECT_FALSE(parse({"--backward", "--grad-dtype", "bf16"}).options.fp32_grads);
+  EXPECT_EQ(parse({"--routing", "uniform"}).options.routing, RoutingKind::kUniform);
+  EXPECT_EQ(parse({"--routing", "zipf", "--routing", "uniform"}).options.routing,
+            RoutingKind::kUniform);
 }
 
 TEST(BenchOptions, HelpAnywhere) {
@@ -94,6 +99,7 @@ TEST(BenchOptions, HelpAnywhere) {
                            std::vector<std::string>{"--ep", "2", "--help"}})
     EXPECT_EQ(parse(args).outcome, Outcome::kHelp) << args.back();
   EXPECT_NE(usage_text().find("--backward-comm-sms"), std::string::npos);
+  EXPECT_NE(usage_text().find("--routing uniform|zipf"), std::string::npos);
   EXPECT_NE(usage_text().find("deepseek-v3"), std::string::npos);
   EXPECT_NE(short_usage_text().find("--help"), std::string::npos);
 }
@@ -154,6 +160,11 @@ INSTANTIATE_TEST_SUITE_P(
                 "--baselines: \"none,nccl-cublas\" lists none beside baselines"},
         BadCase{{"--backward", "--grad-dtype", "fp16"},
                 "--grad-dtype: \"fp16\" is not one of bf16, fp32"},
+        BadCase{{"--routing", "skewed"}, "--routing: \"skewed\" is not one of uniform, zipf"},
+        BadCase{{"--routing", "uniform,zipf"},
+                "--routing: \"uniform,zipf\" is not one of uniform, zipf"},
+        BadCase{{"--routing", "Zipf"}, "--routing: \"Zipf\" is not one of uniform, zipf"},
+        BadCase{{"--routing"}, "--routing needs a value"},
         BadCase{{"--yardstick", "sometimes"},
                 "--yardstick: \"sometimes\" is not one of at-once, one-by-one, interleaved"},
         BadCase{{"--foo"}, "unknown flag --foo"},
