@@ -8,6 +8,7 @@
 //   unit(key, i)  = (2v + 1) / 2^24 with v = ((mix(key + i) >> 40) & 0xFFFFFF) - 2^23:
 //                   odd multiples of 2^-24 in (-1, 1), never zero, exact in fp32
 //   x[t, h]                = bf16(unit(key(seed, kX, r), t * H + h))
+//   dy[t, h]               = bf16(unit(key(seed, kDy, r), t * H + h))  (the backward's dL/dy)
 //   gate/up[e, i, h]       = bf16(unit(key(seed, kGate|kUp, r), (e * I + i) * H + h) * H^-1/2)
 //   down[e, h, i]          = bf16(unit(key(seed, kDown, r), (e * H + h) * I + i) * I^-1/2)
 //   topk_idx[t, :]         = the K experts e with the largest score(t, e), largest first (ties:
@@ -50,6 +51,7 @@ enum class InputStream : uint32_t {
   kRoute = 5,
   kRouteWeight = 6,
   kZipfRank = 7,
+  kDy = 8,
 };
 
 EPFLOW_HD uint64_t mix64(uint64_t z) { return splitmix64(z); }

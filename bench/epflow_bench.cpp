@@ -76,6 +76,7 @@ struct RankResult {
   std::vector<std::string> backward_stage_names;  // its stages
   double backward_stage_us[kMaxBackwardStages] = {};
   double forward_saving_us = 0;  // --backward: the forward that keeps g | u for it (median)
+  double train_step_us = 0;      // --backward: that forward and its backward, timed as one
   double unfused_backward_us = 0;  // --backward-unfused: the unfused backward, its stages
   std::vector<std::string> unfused_stage_names;
   double unfused_stage_us[kMaxBackwardStages] = {};
@@ -334,13 +335,17 @@ Status write_trace(const BenchHooks& hooks, int32_t comm_ctas, int rank, const s
 
 // --backward: warmup + iters forward calls that save their context (median in
 // out->forward_saving_us), then warmup + iters backward calls of the last one with an event at
-// each stage boundary; the medians of the timed ones in out->backward_us and
-// out->backward_stage_us.
+// each stage boundary (medians in out->backward_us and out->backward_stage_us), then warmup +
+// iters training steps, forward and backward timed as one (out->train_step_us).
 Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const LayerConfig& c,
                      int64_t T, const Options& o, cudaStream_t stream, RankResult* out,
                      const std::string& trace_path) {
   EPFLOW_RETURN_IF_ERROR(
       data.create_grads(c, T, o.fp32_grads ? GradDType::kFP32 : GradDType::kBF16));
+  // dy as every system's backward gets it (bench_inputs.h), not dy = x.
+  EPFLOW_RETURN_IF_ERROR(data.fill_dy(
+      c, T, bench::stream_key(o.seed, bench::InputStream::kDy, static_cast<uint32_t>(c.ep_rank)),
+      stream));
   out->memory = layer.memory();
   SavedContext saved;
   const int n = o.warmup + o.iters;
@@ -373,6 +378,19 @@ Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const 
   };
   EPFLOW_RETURN_IF_ERROR(run(&out->backward_us, out->backward_stage_us,
                              &out->backward_stage_names));
+  // The training step as a training loop runs it: a forward that keeps what its backward reads,
+  // then that backward, timed as one.
+  IterationEvents<1> step;
+  EPFLOW_RETURN_IF_ERROR(step.create(n));
+  for (int i = 0; i < n; ++i) {
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[0], stream), "cudaEventRecord"));
+    EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
+    EPFLOW_RETURN_IF_ERROR(layer.backward(data.grads(), saved, stream));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[1], stream), "cudaEventRecord"));
+  }
+  EPFLOW_RETURN_IF_ERROR(
+      layer.with_device_failure(cuda_status(cudaStreamSynchronize(stream), "EPFlow training step")));
+  EPFLOW_RETURN_IF_ERROR(step.summarize(o.warmup, &out->train_step_us, &unused_stage));
   if (!trace_path.empty())
     EPFLOW_RETURN_IF_ERROR(write_trace(hooks, layer.workspace().plan.backward_comm_sms,
                                        c.ep_rank, trace_path, true));
@@ -785,6 +803,9 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     for (const auto& rep : reps) v.push_back(rep[r].forward_saving_us);
     out[r].forward_saving_us = median(v);
     v.clear();
+    for (const auto& rep : reps) v.push_back(rep[r].train_step_us);
+    out[r].train_step_us = median(v);
+    v.clear();
     for (const auto& rep : reps) v.push_back(rep[r].unfused_backward_us);
     out[r].unfused_backward_us = median(v);
     for (auto list : {&RankResult::backward_side_us, &RankResult::backward_comm_us})
@@ -809,10 +830,20 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
 }
 
 // The slowest rank's layer time in each repeat.
-std::vector<double> layer_us_per_repeat(const std::vector<std::vector<RankResult>>& reps) {
+// Per repeat, the slowest rank's value of `field` (a layer call takes its slowest rank's time).
+std::vector<double> per_repeat(const std::vector<std::vector<RankResult>>& reps,
+                               double RankResult::*field) {
   std::vector<double> out;
-  for (const auto& rep : reps) out.push_back(slowest(rep).total_us);
+  for (const auto& rep : reps) {
+    double worst = 0;
+    for (const RankResult& r : rep) worst = std::max(worst, r.*field);
+    out.push_back(worst);
+  }
   return out;
+}
+
+std::vector<double> layer_us_per_repeat(const std::vector<std::vector<RankResult>>& reps) {
+  return per_repeat(reps, &RankResult::total_us);
 }
 
 std::string join_numbers(const std::vector<double>& v, const char* sep, int precision) {
@@ -1138,6 +1169,7 @@ int run_gpu(const Options& o, int devices) {
         to->total_us = from.total_us;
         to->backward_us = from.backward_us;
         to->forward_saving_us = from.forward_saving_us;
+        to->train_step_us = from.train_step_us;
         to->backward_side_us = from.backward_side_us;
         to->backward_comm_us = from.backward_comm_us;
         to->memory = from.memory;
@@ -1349,6 +1381,14 @@ int run_gpu(const Options& o, int devices) {
                       b.memory.total() * 1e-9);
           std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
                       bench::forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
+          const RankResult& ts = *std::max_element(
+              variant_results[0].begin(), variant_results[0].end(),
+              [](const RankResult& a, const RankResult& b) {
+                return a.train_step_us < b.train_step_us;
+              });
+          std::printf("  %-26s %10.1f %12.1f  (forward keeping g|u + backward)\n",
+                      "epflow training step", ts.train_step_us,
+                      3 * bench::forward_flops(c, ts.routed_slots) / ts.train_step_us * 1e-6);
           auto bwd_json = [&](const char* system, double us) {
             json << ",\n    {\"system\": \"" << system << "\", \"direction\": \"bwd\", "
                  << "\"preset\": \"" << p->name << "\", \"tokens\": " << T
@@ -1359,6 +1399,12 @@ int run_gpu(const Options& o, int devices) {
           };
           bwd_json("epflow", b.backward_us);
           json << ", \"forward_saving_us\": " << json_num(f.forward_saving_us)
+               << ", \"train_step_us\": " << json_num(ts.train_step_us)
+               << ", \"repeat_layer_us\": ["
+               << join_numbers(per_repeat(variant_reps[0], &RankResult::backward_us), ", ", 2)
+               << "], \"repeat_train_step_us\": ["
+               << join_numbers(per_repeat(variant_reps[0], &RankResult::train_step_us), ", ", 2)
+               << "]"
                << ", \"backward_bytes\": " << b.memory.backward_bytes
                << ", \"saved_bytes\": " << b.memory.saved_bytes
                << ", \"stage_us\": {" << stages_json(b.backward_stage_names, b.backward_stage_us)

@@ -188,7 +188,10 @@ def render_comparison(runs):
     EP, routing: each routing a row of its own), and EPFlow's forward speedup over the fastest
     baseline forward of the same row; with EPFlow
     backward runs, its speedup over the fastest baseline backward and its TFLOP/s (twice the
-    forward FLOPs) against the cuBLAS dense yardstick of the same row's EPFlow forward run."""
+    forward FLOPs) against the cuBLAS dense yardstick of the same row's EPFlow forward run, its
+    training forward (the one that keeps g | u) against the baselines' training forward
+    (NCCL+PyTorch records autograd), and the training step (forward + backward timed as one)
+    against the fastest baseline's, where the runs have them."""
     runs = [r for r in runs if r["system"] not in (SWEEP, SIDE_AB)]
     series = sorted({(r["system"], r["direction"]) for r in runs}, key=lambda s: series_key(*s))
     presets = list(dict.fromkeys(r["preset"] for r in runs))
@@ -202,9 +205,11 @@ def render_comparison(runs):
           + " | ".join(f"{s} {d} µs (TFLOP/s/GPU)" for s, d in series)
           + " | EPFlow fwd speedup vs best baseline fwd"
           + (" | EPFlow fused vs unfused" if unfused else "")
-          + (" | EPFlow bwd speedup vs best baseline bwd | EPFlow bwd / cuBLAS dense" if backward
-             else "") + " | device | commit |")
-    print("|---|---|---|---|" + "---|" * len(series) + "---|" * (1 + unfused + 2 * backward)
+          + (" | EPFlow bwd speedup vs best baseline bwd | EPFlow bwd / cuBLAS dense"
+             " | EPFlow training fwd µs, speedup vs NCCL+PyTorch fwd"
+             " | EPFlow training step µs, speedup vs best baseline step" if backward else "")
+          + " | device | commit |")
+    print("|---|---|---|---|" + "---|" * len(series) + "---|" * (1 + unfused + 4 * backward)
           + "---|---|")
     for preset, tokens, ep, routing in sorted(
             rows, key=lambda k: (presets.index(k[0]), routings.index(k[3]), -k[2], k[1])):
@@ -234,6 +239,16 @@ def render_comparison(runs):
             dense = f.get("cublas_dense_tflops") if f else None
             speedup += " | " + (f"{100 * b['layer_tflops_per_gpu'] / dense:.1f}% of {dense:.0f}"
                                 if b and dense else "n/a")
+            train_fwd = b.get("forward_saving_us") if b else None
+            torch_fwd = row.get(("nccl-pytorch", "fwd"))
+            speedup += " | " + ("n/a" if train_fwd is None else f"{train_fwd:.0f}" + (
+                f", {torch_fwd['layer_us'] / train_fwd:.2f}x" if torch_fwd else ""))
+            step = b.get("train_step_us") if b else None
+            steps = [r for r in base if r.get("train_step_us")]
+            best_step = min(steps, key=lambda r: r["train_step_us"]) if steps else None
+            speedup += " | " + ("n/a" if step is None else f"{step:.0f}" + (
+                f", {best_step['train_step_us'] / step:.2f}x (vs {best_step['system']})"
+                if best_step else ""))
         print(f"| {preset} | {tokens} | {ep} | {routing} | " + " | ".join(cells)
               + f" | {speedup} | {device} | {commit} |")
 

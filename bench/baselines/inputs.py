@@ -5,6 +5,7 @@ counter-based benchmark inputs every system of a comparison must see bit for bit
   key(seed, stream, rank) = mix(seed ^ mix(stream << 32 | rank))
   unit(key, i)            = (2v + 1) / 2^24, v = ((mix(key + i) >> 40) & 0xFFFFFF) - 2^23
   x[t, h]                 = bf16(unit(key(seed, X, r), t * H + h))
+  dy[t, h]                = bf16(unit(key(seed, DY, r), t * H + h))  (the backward's dL/dy)
   gate/up[e, i, h]        = bf16(unit(key(seed, GATE|UP, r), (e * I + i) * H + h) * H^-1/2)
   down[e, h, i]           = bf16(unit(key(seed, DOWN, r), (e * H + h) * I + i) * I^-1/2)
   topk_idx[t, :]          = the K experts e with the largest score(t, e), largest first (ties:
@@ -49,6 +50,7 @@ import torch
 # InputStream of bench_inputs.h.
 STREAM_X, STREAM_GATE, STREAM_UP, STREAM_DOWN, STREAM_ROUTE, STREAM_ROUTE_WEIGHT = 1, 2, 3, 4, 5, 6
 STREAM_ZIPF_RANK = 7
+STREAM_DY = 8
 
 # RoutingKind of bench/routing_kind.h, by name: the default first.
 ROUTINGS = ("uniform", "zipf")
@@ -149,6 +151,13 @@ def make_x(seed: int, rank: int, tokens: int, hidden: int,
            device: torch.device | str) -> torch.Tensor:
     """Rank `rank`'s tokens, [T, H] bf16."""
     return fill_bf16(tokens * hidden, 1.0, stream_key(seed, STREAM_X, rank),
+                     device).view(tokens, hidden)
+
+
+def make_dy(seed: int, rank: int, tokens: int, hidden: int,
+            device: torch.device | str) -> torch.Tensor:
+    """Rank `rank`'s dL/dy for the backward, [T, H] bf16 (every system's backward gets this)."""
+    return fill_bf16(tokens * hidden, 1.0, stream_key(seed, STREAM_DY, rank),
                      device).view(tokens, hidden)
 
 

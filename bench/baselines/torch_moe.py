@@ -220,10 +220,9 @@ def make_tokens(seed: int, rank: int, p: inputs.Preset, tokens: int, world: int,
 
 def grad_output(seed: int, rank: int, tokens: int, hidden: int,
                 device: torch.device) -> torch.Tensor:
-    """dL/dy for the backward: seeded on the CPU so that every rank (and the check's reference)
-    can regenerate any rank's."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-    return torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    """dL/dy for the backward: the counter-based one of bench_inputs.h, so that EPFlow's backward
+    gets the same dy and every rank (and the check's reference) can regenerate any rank's."""
+    return inputs.make_dy(seed, rank, tokens, hidden, device)
 
 
 # --- --check: against a per-token fp32 reference on all ranks' inputs ---------------------------
@@ -305,11 +304,10 @@ def median_backward_ms(forward: Callable[[], torch.Tensor],
                        backward: Callable[[torch.Tensor], None], warmup: int,
                        iters: int) -> float:
     """Median over `iters` forward+backward calls (after `warmup`) of the backward's GPU time.
-    NOTES: timed directly, not as (forward + backward) - forward: at 512 tokens/rank this layer's
+    NOTES: timed directly, not as (forward + backward) - forward: at small sizes this layer's
     forward is bound by its host work (split sizes copied to the host for all_to_all_single) and
-    its median moved by up to 1.8x between runs on 2xH200 (Qwen3-235B-A22B: 1168 to 2139 us),
-    which the difference of two medians passed on to the backward (V4-Flash: 1741 to 2772 us
-    over four runs)."""
+    its median moves between runs, which the difference of two medians would pass on to the
+    backward (docs/benchmarks.md, history)."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(warmup + iters)]
     for start, end in events:
@@ -321,11 +319,25 @@ def median_backward_ms(forward: Callable[[], torch.Tensor],
     return statistics.median([s.elapsed_time(e) for s, e in events[warmup:]])
 
 
+def median_step_ms(forward: Callable[[], torch.Tensor],
+                   backward: Callable[[torch.Tensor], None], warmup: int, iters: int) -> float:
+    """Median over `iters` training steps (after `warmup`): forward and backward timed as one."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(warmup + iters)]
+    for start, end in events:
+        start.record()
+        backward(forward())
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median([s.elapsed_time(e) for s, e in events[warmup:]])
+
+
 def bench_config(p: inputs.Preset, tokens: int, w1: torch.Tensor, w2: torch.Tensor,
                  args: argparse.Namespace, rank: int, world: int,
-                 device: torch.device) -> tuple[list[float], list[float], int]:
-    """This rank's (forward ms per repeat, backward ms per repeat, routed slots): each repeat
-    the forward's median over its warm-up + timed calls, then the backward's likewise."""
+                 device: torch.device) -> tuple[list[float], list[float], list[float], int]:
+    """This rank's (forward ms per repeat, backward ms per repeat, training step ms per repeat,
+    routed slots): each repeat the forward's median over its warm-up + timed calls, then the
+    backward's likewise, then the training step's (forward and backward timed as one)."""
     x, idx, tw = make_tokens(args.seed, rank, p, tokens, world, device, args.routing)
     dy = grad_output(args.seed, rank, tokens, p.hidden, device)
     leaves = [x, tw, w1, w2]
@@ -338,14 +350,16 @@ def bench_config(p: inputs.Preset, tokens: int, w1: torch.Tensor, w2: torch.Tens
             t.grad = None
         return forward()
 
-    fwd, bwd = [], []
+    fwd, bwd, step = [], [], []
     for _ in range(args.repeats):
         fwd.append(median_ms(forward, args.warmup, args.iters))
         bwd.append(median_backward_ms(forward_fresh, lambda y: y.backward(dy), args.warmup,
                                       args.iters))
+        step.append(median_step_ms(forward_fresh, lambda y: y.backward(dy), args.warmup,
+                                   args.iters))
         for t in leaves:
             t.grad = None
-    return fwd, bwd, int((idx >= 0).sum())
+    return fwd, bwd, step, int((idx >= 0).sum())
 
 
 def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
@@ -355,12 +369,14 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
         p = inputs.PRESETS[name]
         w1, w2 = make_weights(args.seed, rank, p, device)
         for tokens in args.tokens:
-            fwd, bwd, routed = bench_config(p, tokens, w1, w2, args, rank, world, device)
-            # Every rank's numbers, so the slowest rank's time goes with its own FLOPs:
-            # [median over repeats fwd, bwd, routed slots, fwd per repeat..., bwd per repeat...].
-            mine = torch.zeros(world, 3 + 2 * reps, dtype=torch.float64, device=device)
+            fwd, bwd, step, routed = bench_config(p, tokens, w1, w2, args, rank, world, device)
+            # Every rank's numbers, so the slowest rank's time goes with its own FLOPs: [median
+            # over repeats fwd, bwd, routed slots, fwd per repeat..., bwd per repeat..., median
+            # step, step per repeat...].
+            mine = torch.zeros(world, 4 + 3 * reps, dtype=torch.float64, device=device)
             mine[rank] = torch.tensor([statistics.median(fwd), statistics.median(bwd), routed,
-                                       *fwd, *bwd], dtype=torch.float64)
+                                       *fwd, *bwd, statistics.median(step), *step],
+                                      dtype=torch.float64)
             dist.all_reduce(mine)
             per_rank = mine.tolist()
             flops = 6.0 * p.hidden * p.intermediate  # per routed slot, forward
@@ -376,6 +392,13 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 repeat_us = [max(v[first + i] for v in per_rank) * 1e3 for i in range(reps)]
                 if reps > 1:
                     run["repeat_layer_us"] = [round(u, 2) for u in repeat_us]
+                if direction == "bwd":  # the training step, forward + backward timed as one
+                    step_col = 3 + 2 * reps
+                    run["train_step_us"] = max(v[step_col] for v in per_rank) * 1e3
+                    if reps > 1:
+                        run["repeat_train_step_us"] = [
+                            round(max(v[step_col + 1 + i] for v in per_rank) * 1e3, 2)
+                            for i in range(reps)]
                 runs.append(run)
                 if rank == 0:
                     each = (" (repeats: " + " / ".join(f"{u:.1f}" for u in repeat_us) + ")"
@@ -383,6 +406,9 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     print(f"{SYSTEM} {name} tokens/rank {tokens} EP {world} {args.routing} "
                           f"routing {direction}: "
                           f"{us:.1f} us, {tflops:.1f} TFLOP/s/GPU{each}", flush=True)
+                    if direction == "bwd":
+                        print(f"{SYSTEM} {name} tokens/rank {tokens} EP {world} {args.routing} "
+                              f"routing training step: {run['train_step_us']:.1f} us", flush=True)
         del w1, w2
         torch.cuda.empty_cache()
     if rank == 0 and args.json:
