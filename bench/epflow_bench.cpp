@@ -112,6 +112,13 @@ class Stream {
   cudaStream_t s_ = nullptr;
 };
 
+// The key of rank `rank`'s dy (bench_inputs.h): the same for every system's backward and for
+// --check's reference, and independent of x (with dy = x, a backward that mixed up its dy and x
+// rows would still pass the check).
+uint64_t dy_key(uint64_t seed, uint32_t rank) {
+  return bench::stream_key(seed, bench::InputStream::kDy, rank);
+}
+
 // One system's copy of a rank's inputs (the same numbers for every system: bench_inputs.h) and
 // its output y, freed together.
 class RankData {
@@ -170,7 +177,9 @@ class RankData {
 
   // The backward's outputs (dx, d topk_weights, weight gradients in `dtype`) and its arguments,
   // dy = x.
-  Status create_grads(const LayerConfig& c, int64_t T, GradDType dtype) {
+  // The backward's buffers, and dy = bench_inputs.h's dy (the same every system's backward gets).
+  Status create_grads(const LayerConfig& c, int64_t T, GradDType dtype, uint64_t seed,
+                      cudaStream_t stream) {
     const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank(), K = c.top_k;
     const int64_t grad_words = (dtype == GradDType::kFP32 ? 2 : 1) * E * I * H / 2;
     __nv_bfloat16* dx = nullptr;
@@ -181,7 +190,13 @@ class RankData {
     EPFLOW_RETURN_IF_ERROR(alloc(&dg, grad_words, "cudaMalloc (d W_gate)"));
     EPFLOW_RETURN_IF_ERROR(alloc(&du, grad_words, "cudaMalloc (d W_up)"));
     EPFLOW_RETURN_IF_ERROR(alloc(&dd, grad_words, "cudaMalloc (d W_down)"));
-    grads_.dy = x_;
+    __nv_bfloat16* dy = nullptr;
+    EPFLOW_RETURN_IF_ERROR(alloc(&dy, T * H, "cudaMalloc (dy)"));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(
+        bench::fill_uniform_bf16(dy, T * H, 1.0f, dy_key(seed, static_cast<uint32_t>(c.ep_rank)),
+                                 stream),
+        "fill_uniform_bf16 (dy)"));
+    grads_.dy = dy;
     grads_.dx = dx;
     grads_.d_topk_weights = dtw;
     grads_.d_gate = dg;
@@ -191,16 +206,6 @@ class RankData {
     return Status::ok_status();
   }
   const BackwardArgs& grads() const { return grads_; }
-
-  // Replaces dy = x (create_grads) by dy[t, h] = bf16(unit_value(key, t * H + h)).
-  Status fill_dy(const LayerConfig& c, int64_t T, uint64_t key, cudaStream_t stream) {
-    __nv_bfloat16* dy = nullptr;
-    EPFLOW_RETURN_IF_ERROR(alloc(&dy, T * c.hidden, "cudaMalloc (dy)"));
-    EPFLOW_RETURN_IF_ERROR(cuda_status(
-        bench::fill_uniform_bf16(dy, T * c.hidden, 1.0f, key, stream), "fill_uniform_bf16 (dy)"));
-    grads_.dy = dy;
-    return Status::ok_status();
-  }
 
  private:
   template <typename T>
@@ -340,12 +345,8 @@ Status write_trace(const BenchHooks& hooks, int32_t comm_ctas, int rank, const s
 Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const LayerConfig& c,
                      int64_t T, const Options& o, cudaStream_t stream, RankResult* out,
                      const std::string& trace_path) {
-  EPFLOW_RETURN_IF_ERROR(
-      data.create_grads(c, T, o.fp32_grads ? GradDType::kFP32 : GradDType::kBF16));
-  // dy as every system's backward gets it (bench_inputs.h), not dy = x.
-  EPFLOW_RETURN_IF_ERROR(data.fill_dy(
-      c, T, bench::stream_key(o.seed, bench::InputStream::kDy, static_cast<uint32_t>(c.ep_rank)),
-      stream));
+  EPFLOW_RETURN_IF_ERROR(data.create_grads(
+      c, T, o.fp32_grads ? GradDType::kFP32 : GradDType::kBF16, o.seed, stream));
   out->memory = layer.memory();
   SavedContext saved;
   const int n = o.warmup + o.iters;
@@ -439,22 +440,14 @@ Status fetch_rows(const __nv_bfloat16* y, const std::vector<int64_t>& tokens, in
   return Status::ok_status();
 }
 
-// --check's dy on rank `rank`: the x formula under seed + 1, independent of x (with dy = x a
-// backward that mixed up its dy and x rows would still pass).
-uint64_t check_dy_key(uint64_t seed, uint32_t rank) {
-  return bench::stream_key(seed + 1, bench::InputStream::kX, rank);
-}
-
-// --check: one forward that saves its context, then its backward with dy from check_dy_key and
+// --check: one forward that saves its context, then its backward with dy_key's dy and
 // fp32 weight gradients written over poisoned outputs (all-ones bytes, NaN: an element never
 // written fails the check); every output into `fused` as floats, in reference::RankGrads'
 // layout. With `unfused`, the unfused backward of the same context again, into it.
 Status run_checked_backward(LayerCore& layer, RankData& data, const LayerConfig& c, int64_t T,
                             uint64_t seed, cudaStream_t stream, reference::RankGrads* fused,
                             reference::RankGrads* unfused) {
-  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, GradDType::kFP32));
-  EPFLOW_RETURN_IF_ERROR(
-      data.fill_dy(c, T, check_dy_key(seed, static_cast<uint32_t>(c.ep_rank)), stream));
+  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, GradDType::kFP32, seed, stream));
   SavedContext saved;
   EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
   const BackwardArgs& b = data.grads();
@@ -775,17 +768,14 @@ std::string json_num(double v) {
   return os.str();
 }
 
-const RankResult& slowest(const std::vector<RankResult>& results) {
-  return *std::max_element(
-      results.begin(), results.end(),
-      [](const RankResult& a, const RankResult& b) { return a.total_us < b.total_us; });
-}
-
-// The rank whose backward took longest (it sets the layer's backward time).
-const RankResult& slowest_backward(const std::vector<RankResult>& results) {
-  return *std::max_element(
-      results.begin(), results.end(),
-      [](const RankResult& a, const RankResult& b) { return a.backward_us < b.backward_us; });
+// The rank with the largest `field` (a call takes its slowest rank's time); the layer's total by
+// default.
+const RankResult& slowest(const std::vector<RankResult>& results,
+                          double RankResult::*field = &RankResult::total_us) {
+  return *std::max_element(results.begin(), results.end(),
+                           [field](const RankResult& a, const RankResult& b) {
+                             return a.*field < b.*field;
+                           });
 }
 
 // --repeats: per rank, the median over the repeats of the total and of each stage, each on its
@@ -834,11 +824,7 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
 std::vector<double> per_repeat(const std::vector<std::vector<RankResult>>& reps,
                                double RankResult::*field) {
   std::vector<double> out;
-  for (const auto& rep : reps) {
-    double worst = 0;
-    for (const RankResult& r : rep) worst = std::max(worst, r.*field);
-    out.push_back(worst);
-  }
+  for (const auto& rep : reps) out.push_back(slowest(rep, field).*field);
   return out;
 }
 
@@ -1265,7 +1251,7 @@ int run_gpu(const Options& o, int devices) {
         if (check_backward) {
           std::vector<std::vector<float>> dy(ep);
           for (int32_t r = 0; r < ep; ++r)
-            dy[r] = bf16_values(T * c.hidden, 1.0f, check_dy_key(o.seed, static_cast<uint32_t>(r)));
+            dy[r] = bf16_values(T * c.hidden, 1.0f, dy_key(o.seed, static_cast<uint32_t>(r)));
           if (Status s = reference::backward(c, inputs, experts, dy, &backward_want); !s.ok()) {
             std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
             return 1;
@@ -1347,16 +1333,12 @@ int run_gpu(const Options& o, int devices) {
                          v == 0 && have_roof ? &yard : nullptr);
         first = false;
         if (v == 0 && o.backward && !o.check) {
-          const RankResult& b = slowest_backward(variant_results[0]);
+          const RankResult& b = slowest(variant_results[0], &RankResult::backward_us);
           const char* dtype = o.fp32_grads ? "fp32" : "bf16";
           std::printf("  %-26s %10.1f %12.1f  (weight gradients %s, written)\n",
                       "epflow backward", b.backward_us,
                       2 * bench::forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype);
-          const RankResult& f = *std::max_element(
-              variant_results[0].begin(), variant_results[0].end(),
-              [](const RankResult& a, const RankResult& b) {
-                return a.forward_saving_us < b.forward_saving_us;
-              });
+          const RankResult& f = slowest(variant_results[0], &RankResult::forward_saving_us);
           auto stages_text = [](const std::vector<std::string>& names, const double* us) {
             std::string text;
             for (size_t st = 0; st < names.size(); ++st) {
@@ -1381,11 +1363,7 @@ int run_gpu(const Options& o, int devices) {
                       b.memory.total() * 1e-9);
           std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
                       bench::forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
-          const RankResult& ts = *std::max_element(
-              variant_results[0].begin(), variant_results[0].end(),
-              [](const RankResult& a, const RankResult& b) {
-                return a.train_step_us < b.train_step_us;
-              });
+          const RankResult& ts = slowest(variant_results[0], &RankResult::train_step_us);
           std::printf("  %-26s %10.1f %12.1f  (forward keeping g|u + backward)\n",
                       "epflow training step", ts.train_step_us,
                       3 * bench::forward_flops(c, ts.routed_slots) / ts.train_step_us * 1e-6);
@@ -1410,11 +1388,7 @@ int run_gpu(const Options& o, int devices) {
                << ", \"stage_us\": {" << stages_json(b.backward_stage_names, b.backward_stage_us)
                << "}}";
           if (o.backward_unfused) {
-            const RankResult& u = *std::max_element(
-                variant_results[0].begin(), variant_results[0].end(),
-                [](const RankResult& a, const RankResult& b) {
-                  return a.unfused_backward_us < b.unfused_backward_us;
-                });
+            const RankResult& u = slowest(variant_results[0], &RankResult::unfused_backward_us);
             std::printf("  %-26s %10.1f %12.1f  (fused backward %.2fx faster)\n",
                         "epflow backward unfused", u.unfused_backward_us,
                         tflops(u.unfused_backward_us), u.unfused_backward_us / b.backward_us);
