@@ -8,17 +8,30 @@
 //       (with_backward: LayerConfig::with_backward, what training needs).
 //     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down) -> (Tensor y, int context)
 //       Layer::forward keeping its SavedContext; `context` is that forward's generation.
+//     .forward_train_out(x, topk_idx, topk_weights, w_gate, w_up, w_down, y) -> int context
+//       the same, writing into the caller's y [T, H] bf16.
 //     .backward(context, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down)
 //         -> (dx, d_topk_weights, d_w_gate, d_w_up, d_w_down)
 //       Layer::backward of that forward (the same input tensors, unchanged); bf16 weight
 //       gradients (the parameters' dtype), fp32 d_topk_weights. A context that a later forward of
 //       the handle made stale is refused with an error.
+//     .backward_out(context, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down,
+//                   dx, d_topk_weights, d_w_gate, d_w_up, d_w_down)
+//       the same, writing into the caller's tensors (each overwritten: weight gradients are not
+//       accumulated into them).
 //   epflow::get_unique_id() -> Tensor            ncclUniqueId as uint8[128] on the CPU
 //   epflow::moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights,
 //                       Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor y
 //       Layer::forward on the current CUDA stream, keeping nothing (inference); y is freshly
 //       allocated [T, H] bf16. The handle methods above are what python/epflow's autograd
 //       function calls; they run on the current CUDA stream too.
+//   epflow::moe_forward.out(..., *, Tensor(a!) out) -> Tensor(a!)
+//       the same into the caller's `out` [T, H] bf16 (contiguous, 16-byte aligned, overlapping no
+//       input); returns it.
+//
+// Every output is written whole by the call (every element of y, dx and d_topk_weights; every
+// expert's weight gradient, zero for an expert no row reached): the _out forms let a test fill
+// them with NaN first and check that.
 //
 // NOTES: the op takes the handle's integer id, not the torchbind object: an int passes through
 // torch.compile (Dynamo, FakeTensor, AOTAutograd) and CUDA-graph capture untouched, whereas a
@@ -31,9 +44,12 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <initializer_list>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 #include "epflow/epflow.h"
 
@@ -129,10 +145,18 @@ class Handle : public torch::CustomClassHolder {
                                                 const at::Tensor& topk_weights,
                                                 const at::Tensor& w_gate, const at::Tensor& w_up,
                                                 const at::Tensor& w_down);
+  int64_t forward_train_out(const at::Tensor& x, const at::Tensor& topk_idx,
+                            const at::Tensor& topk_weights, const at::Tensor& w_gate,
+                            const at::Tensor& w_up, const at::Tensor& w_down, at::Tensor y);
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       int64_t context, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& topk_idx,
       const at::Tensor& topk_weights, const at::Tensor& w_gate, const at::Tensor& w_up,
       const at::Tensor& w_down);
+  void backward_out(int64_t context, const at::Tensor& dy, const at::Tensor& x,
+                    const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                    const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
+                    at::Tensor dx, at::Tensor d_topk_weights, at::Tensor d_gate, at::Tensor d_up,
+                    at::Tensor d_down);
 
  private:
   epflow::LayerConfig config_;
@@ -175,18 +199,41 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
               "an offset is not); call .clone()");
 }
 
-// The checked forward arguments of one call on `h`; with_output: y allocated (the backward
-// re-checks its forward's arguments and needs no y).
+// Contiguous tensors (checked first) overlap when their byte ranges do.
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.data_ptr()), a1 = a0 + a.nbytes();
+  const auto b0 = reinterpret_cast<uintptr_t>(b.data_ptr()), b1 = b0 + b.nbytes();
+  return a0 < b1 && b0 < a1;
+}
+
+struct Named {
+  const char* name;
+  const at::Tensor* tensor;
+};
+
+// An output the caller gave: its dtype, shape, device, layout as for an input, and no overlap
+// with what the call reads or with another output (the kernels read inputs while they write
+// outputs, so an alias would be a race, not an in-place update).
+void check_output(const at::Tensor& out, const char* name, at::ScalarType dtype,
+                  at::IntArrayRef shape, const at::Device& device,
+                  std::initializer_list<Named> others) {
+  check_tensor(out, name, dtype, shape, device);
+  for (const Named& other : others)
+    TORCH_CHECK(!overlaps(out, *other.tensor), "epflow: output ", name, " overlaps ",
+                other.name, " in memory; give it a buffer of its own");
+}
+
+// The checked forward arguments of one call on `h`, y not yet bound (forward_call's callers give
+// the caller's y or allocate one; the backward re-checks its forward's arguments and needs none).
 struct ForwardCall {
   at::Device device;
-  at::Tensor y;
   epflow::ForwardArgs args;
 };
 
 ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_idx,
                          const at::Tensor& topk_weights, const at::Tensor& w_gate,
-                         const at::Tensor& w_up, const at::Tensor& w_down,
-                         bool with_output = true) {
+                         const at::Tensor& w_up, const at::Tensor& w_down) {
   const epflow::LayerConfig& c = h.config();
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(h.device()));
   TORCH_CHECK(x.dim() == 2, "epflow.moe_forward: x must be [T, H=", c.hidden, "], got ",
@@ -202,7 +249,7 @@ ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_
   check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
   check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
 
-  ForwardCall call{device, with_output ? at::empty({T, H}, x.options()) : at::Tensor(), {}};
+  ForwardCall call{device, {}};
   epflow::ForwardArgs& a = call.args;
   a.num_tokens = T;
   a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
@@ -211,19 +258,50 @@ ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_
   a.weights.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
   a.weights.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
   a.weights.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
-  if (with_output) a.y = reinterpret_cast<__nv_bfloat16*>(call.y.data_ptr());
   return call;
+}
+
+// Binds the caller's y (checked) to a forward call.
+void bind_y(ForwardCall& call, const at::Tensor& y, const at::Tensor& x,
+            const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& w_gate,
+            const at::Tensor& w_up, const at::Tensor& w_down) {
+  check_output(y, "y", at::kBFloat16, x.sizes(), call.device,
+               {{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights},
+                {"w_gate", &w_gate}, {"w_up", &w_up}, {"w_down", &w_down}});
+  call.args.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+}
+
+cudaStream_t current_stream(const at::Device& device) {
+  return at::cuda::getCurrentCUDAStream(device.index()).stream();
+}
+
+at::Tensor& moe_forward_out(int64_t handle, const at::Tensor& x, const at::Tensor& topk_idx,
+                            const at::Tensor& topk_weights, const at::Tensor& w_gate,
+                            const at::Tensor& w_up, const at::Tensor& w_down, at::Tensor& out) {
+  Handle& h = lookup(handle);
+  ForwardCall call = forward_call(h, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  bind_y(call, out, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  c10::cuda::CUDAGuard guard(call.device);
+  check_status(h.layer().forward(call.args, current_stream(call.device), nullptr), "forward");
+  return out;
 }
 
 at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& topk_idx,
                        const at::Tensor& topk_weights, const at::Tensor& w_gate,
                        const at::Tensor& w_up, const at::Tensor& w_down) {
-  Handle& h = lookup(handle);
-  ForwardCall call = forward_call(h, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  return moe_forward_out(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down, y);
+}
+
+int64_t Handle::forward_train_out(const at::Tensor& x, const at::Tensor& topk_idx,
+                                  const at::Tensor& topk_weights, const at::Tensor& w_gate,
+                                  const at::Tensor& w_up, const at::Tensor& w_down, at::Tensor y) {
+  ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  bind_y(call, y, x, topk_idx, topk_weights, w_gate, w_up, w_down);
   c10::cuda::CUDAGuard guard(call.device);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(call.device.index()).stream();
-  check_status(h.layer().forward(call.args, stream, nullptr), "forward");
-  return call.y;
+  epflow::SavedContext saved;
+  check_status(layer_->forward(call.args, current_stream(call.device), &saved), "forward");
+  return static_cast<int64_t>(saved.generation);
 }
 
 std::tuple<at::Tensor, int64_t> Handle::forward_train(const at::Tensor& x,
@@ -232,35 +310,44 @@ std::tuple<at::Tensor, int64_t> Handle::forward_train(const at::Tensor& x,
                                                       const at::Tensor& w_gate,
                                                       const at::Tensor& w_up,
                                                       const at::Tensor& w_down) {
-  ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
-  c10::cuda::CUDAGuard guard(call.device);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(call.device.index()).stream();
-  epflow::SavedContext saved;
-  check_status(layer_->forward(call.args, stream, &saved), "forward");
-  return {call.y, static_cast<int64_t>(saved.generation)};
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t context = forward_train_out(x, topk_idx, topk_weights, w_gate, w_up, w_down, y);
+  return {y, context};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::backward(
-    int64_t context, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& topk_idx,
-    const at::Tensor& topk_weights, const at::Tensor& w_gate, const at::Tensor& w_up,
-    const at::Tensor& w_down) {
+void Handle::backward_out(int64_t context, const at::Tensor& dy, const at::Tensor& x,
+                          const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                          const at::Tensor& w_gate, const at::Tensor& w_up,
+                          const at::Tensor& w_down, at::Tensor dx, at::Tensor d_topk_weights,
+                          at::Tensor d_gate, at::Tensor d_up, at::Tensor d_down) {
   // The forward's arguments, checked again (they must be the forward's, unchanged).
-  ForwardCall call =
-      forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down, /*with_output=*/false);
-  const int64_t T = x.size(0), H = config_.hidden, K = config_.top_k;
-  check_tensor(dy, "dy", at::kBFloat16, {T, H}, call.device);
+  ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  check_tensor(dy, "dy", at::kBFloat16, x.sizes(), call.device);
+  const std::initializer_list<Named> inputs = {
+      {"dy", &dy},         {"x", &x},          {"topk_idx", &topk_idx},
+      {"topk_weights", &topk_weights}, {"w_gate", &w_gate}, {"w_up", &w_up},
+      {"w_down", &w_down}};
+  check_output(dx, "dx", at::kBFloat16, x.sizes(), call.device, inputs);
+  check_output(d_topk_weights, "d_topk_weights", at::kFloat, topk_weights.sizes(), call.device,
+               inputs);
+  check_output(d_gate, "d_w_gate", at::kBFloat16, w_gate.sizes(), call.device, inputs);
+  check_output(d_up, "d_w_up", at::kBFloat16, w_up.sizes(), call.device, inputs);
+  check_output(d_down, "d_w_down", at::kBFloat16, w_down.sizes(), call.device, inputs);
+  const std::pair<const char*, const at::Tensor*> outs[] = {
+      {"dx", &dx}, {"d_topk_weights", &d_topk_weights}, {"d_w_gate", &d_gate},
+      {"d_w_up", &d_up}, {"d_w_down", &d_down}};
+  for (size_t i = 0; i < std::size(outs); ++i)
+    for (size_t j = 0; j < i; ++j)
+      TORCH_CHECK(!overlaps(*outs[i].second, *outs[j].second), "epflow: outputs ",
+                  outs[j].first, " and ", outs[i].first, " overlap in memory");
   c10::cuda::CUDAGuard guard(call.device);
   epflow::SavedContext saved;
   saved.generation = static_cast<uint64_t>(context);
-  saved.num_tokens = T;
+  saved.num_tokens = call.args.num_tokens;
   saved.x = call.args.x;
   saved.topk_idx = call.args.topk_idx;
   saved.topk_weights = call.args.topk_weights;
   saved.weights = call.args.weights;
-  at::Tensor dx = at::empty_like(x);
-  at::Tensor d_topk_weights = at::empty({T, K}, topk_weights.options());
-  at::Tensor d_gate = at::empty_like(w_gate), d_up = at::empty_like(w_up);
-  at::Tensor d_down = at::empty_like(w_down);
   epflow::BackwardArgs b;
   b.dy = reinterpret_cast<const __nv_bfloat16*>(dy.data_ptr());
   b.dx = reinterpret_cast<__nv_bfloat16*>(dx.data_ptr());
@@ -269,8 +356,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::b
   b.d_up = d_up.data_ptr();
   b.d_down = d_down.data_ptr();
   b.grad_dtype = epflow::GradDType::kBF16;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(call.device.index()).stream();
-  check_status(layer_->backward(b, saved, stream), "backward");
+  check_status(layer_->backward(b, saved, current_stream(call.device)), "backward");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::backward(
+    int64_t context, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& topk_idx,
+    const at::Tensor& topk_weights, const at::Tensor& w_gate, const at::Tensor& w_up,
+    const at::Tensor& w_down) {
+  const auto contiguous = at::MemoryFormat::Contiguous;
+  at::Tensor dx = at::empty_like(x, contiguous);
+  at::Tensor d_topk_weights = at::empty_like(topk_weights, contiguous);
+  at::Tensor d_gate = at::empty_like(w_gate, contiguous), d_up = at::empty_like(w_up, contiguous);
+  at::Tensor d_down = at::empty_like(w_down, contiguous);
+  backward_out(context, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down, dx, d_topk_weights,
+               d_gate, d_up, d_down);
   return {dx, d_topk_weights, d_gate, d_up, d_down};
 }
 
@@ -282,7 +381,9 @@ TORCH_LIBRARY(epflow, m) {
                        int64_t, double, int64_t, int64_t, int64_t, bool>())
       .def("id", &Handle::id)
       .def("forward_train", &Handle::forward_train)
+      .def("forward_train_out", &Handle::forward_train_out)
       .def("backward", &Handle::backward)
+      .def("backward_out", &Handle::backward_out)
       .def("device", &Handle::device)
       .def("memory", &Handle::memory)
       .def("__repr__", &Handle::repr);
@@ -290,6 +391,12 @@ TORCH_LIBRARY(epflow, m) {
   m.def(
       "moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w_gate, "
       "Tensor w_up, Tensor w_down) -> Tensor");
+  m.def(
+      "moe_forward.out(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, "
+      "Tensor w_gate, Tensor w_up, Tensor w_down, *, Tensor(a!) out) -> Tensor(a!)");
 }
 
-TORCH_LIBRARY_IMPL(epflow, CUDA, m) { m.impl("moe_forward", &moe_forward); }
+TORCH_LIBRARY_IMPL(epflow, CUDA, m) {
+  m.impl("moe_forward", &moe_forward);
+  m.impl("moe_forward.out", &moe_forward_out);
+}

@@ -14,7 +14,9 @@ for topk_idx). Without (torch.no_grad(), inference_mode(), or no input needing a
 calls the op `torch.ops.epflow.moe_forward(handle_id, x, topk_idx, topk_weights, w_gate, w_up,
 w_down)`, EPFlow's GPU forward on the current CUDA stream, which keeps nothing; the op has a fake
 (meta) implementation for torch.compile and is CUDA-graph capturable, and has no autograd of its
-own (NotImplementedError: train through MoELayer). There is no fallback to another
+own (NotImplementedError: train through MoELayer). `torch.ops.epflow.moe_forward.out(...,
+out=y)` writes into a caller's y instead (contiguous, 16-byte aligned, overlapping no input;
+eager and CUDA graphs, no fake implementation for torch.compile). There is no fallback to another
 implementation.
 """
 import atexit

@@ -1,7 +1,8 @@
 # EPFlow from PyTorch on the GPU: forward and gradients against a pure-PyTorch
 # reference MoE at EP=1 (and EP=2 through torchrun when two GPUs are present), torch.compile, CUDA
 # graphs (forward, and a compiled training step), the inference op's NotImplementedError, the
-# refusal of a stale context, and NaN/Inf through the backward. Skipped,
+# refusal of a stale context, NaN/Inf through the backward, and outputs filled with NaN before
+# the call written whole (the out= forms). Skipped,
 # with a message, where there is no CUDA device.
 import os
 import shutil
@@ -184,6 +185,77 @@ def _check_slices(name, got, ref, T):
         for e in range(ref.shape[0]):
             if ref[e].abs().max() == 0:
                 assert (got[e] == 0).all(), f"{name}: expert {e} has no rows but a gradient"
+
+
+def _poisoned_like(t):
+    return torch.full_like(t, float("nan"), memory_format=torch.contiguous_format)
+
+
+def test_forward_out_writes_every_element(layer):
+    # The op's out= form into a NaN-filled buffer: every element written (a token with no expert
+    # gets a zero row), the same bits as the allocating op, the reference's values.
+    T = 77
+    x, idx, w = _inputs(T, seed=40)
+    idx[3] = -1
+    out = _poisoned_like(x)
+    params = (layer.w_gate, layer.w_up, layer.w_down)
+    with torch.no_grad():
+        got = torch.ops.epflow.moe_forward.out(layer._handle_id, x, idx, w, *params, out=out)
+        fresh = _op(layer, x, idx, w)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(out).all(), "an element of out was not written"
+    assert (out[3] == 0).all(), "a token routed to no expert must get a zero row"
+    torch.testing.assert_close(out, fresh, rtol=0, atol=0)
+    assert rel_err(out, reference_moe(x, idx, w, *params)) <= TOL
+
+
+@pytest.mark.parametrize("T", [1, 77, T_MAX])
+def test_training_outputs_written_whole(layer, T):
+    # forward_train_out / backward_out into NaN-filled tensors: y, dx, d topk_weights and every
+    # expert's weight gradient written (exact zeros for the expert no row reaches and for a
+    # token routed nowhere), each checked per row / expert against the reference.
+    x, idx, w = _inputs(T, seed=50 + T)
+    idx[idx == E - 1] = -1  # expert E-1 gets no row
+    if T > 3:
+        idx[3] = -1
+    params = (layer.w_gate, layer.w_up, layer.w_down)
+    dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    handle = epflow._HANDLES[layer._key]
+    y = _poisoned_like(x)
+    grads = [_poisoned_like(t) for t in (x, w) + params]
+    with torch.no_grad():
+        context = handle.forward_train_out(x, idx, w, *params, y)
+        handle.backward_out(context, dy, x, idx, w, *params, *grads)
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all(), "an element of y was not written"
+    assert rel_err(y, reference_moe(x, idx, w, *params)) <= TOL
+    want = _reference_grads(x, idx, w, params, dy)
+    for name, got, ref in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"), grads, want):
+        assert torch.isfinite(got).all(), f"{name}: an element was not written"
+        _check_slices(name, got, ref, T)
+    for name, got in zip(("w_gate", "w_up", "w_down"), grads[2:]):
+        assert (got[E - 1] == 0).all(), f"{name}: expert {E - 1} has no rows but a gradient"
+    if T > 3:
+        assert (y[3] == 0).all() and (grads[0][3] == 0).all() and (grads[1][3] == 0).all()
+
+
+def test_outputs_overlapping_inputs_are_refused(layer):
+    x, idx, w = _inputs(16, seed=41)
+    params = (layer.w_gate, layer.w_up, layer.w_down)
+    with pytest.raises(RuntimeError, match="output y overlaps x"):
+        torch.ops.epflow.moe_forward.out(layer._handle_id, x, idx, w, *params, out=x)
+    handle = epflow._HANDLES[layer._key]
+    dy = torch.randn(16, H, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        context = handle.forward_train_out(x, idx, w, *params, _poisoned_like(x))
+        grads = [_poisoned_like(t) for t in (x, w) + params]
+        with pytest.raises(RuntimeError, match="output dx overlaps dy"):
+            handle.backward_out(context, dy, x, idx, w, *params, dy, *grads[1:])
+        with pytest.raises(RuntimeError, match="outputs d_w_gate and d_w_up overlap"):
+            handle.backward_out(context, dy, x, idx, w, *params, grads[0], grads[1], grads[2],
+                                grads[2], grads[4])
+    torch.cuda.synchronize()
 
 
 def test_stale_context_is_refused(layer):
