@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <span>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -307,8 +308,9 @@ SortShape sort_shape(int64_t n, int32_t buckets) {
   }
 }
 
-// Rows every expert must have for one dense cublasGemmEx per expert instead of the grouped call.
-constexpr int64_t kDenseGemmRows = 256;
+// Rows from which an expert gets one dense cublasGemmEx per projection; experts with fewer go
+// into one cublasGemmGroupedBatchedEx call per projection.
+constexpr int64_t kDenseGemmRows = 64;
 
 // The arguments of one cublasGemmGroupedBatchedEx call: per-group arrays (the API reads them on
 // the host), one group per run of experts with equal row counts. Cleared and refilled each call.
@@ -383,7 +385,8 @@ struct NcclCublasMoe::Impl {
   std::vector<int32_t> expert_order;             // non-empty experts by ascending row count
   int64_t R = 0;                                 // rows received
   bool in_order = false;  // the received order already is expert order: no permutation
-  bool dense = false;     // one cublasGemmEx per expert and projection, not the grouped calls
+  size_t small_experts = 0;  // expert_order[0, small_experts): the grouped calls' problems;
+                             // the rest (kDenseGemmRows rows or more) one cublasGemmEx each
   GroupedCall gu_call, down_call;
 
   ~Impl() {
@@ -638,11 +641,15 @@ Status NcclCublasMoe::Impl::plan(const ForwardArgs& a) {
   std::stable_sort(expert_order.begin(), expert_order.end(),
                    [&](int32_t x, int32_t y) { return rows_of(x) < rows_of(y); });
   // NOTES: cublasGemmGroupedBatchedEx trails a dense GEMM of the same FLOPs once experts have
-  // many rows (docs/benchmarks.md, history of 2026-11-29); with the counts on the host (this
-  // pipeline synchronises for them anyway) a competent user calls one dense GEMM per expert
-  // once every expert has many rows, and the grouped API otherwise.
-  dense = !expert_order.empty() && rows_of(expert_order.front()) >= kDenseGemmRows;
-  if (dense || R == 0) return Status::ok_status();
+  // many rows (docs/benchmarks.md, history of 2026-11-29), and runs far slower still when skewed
+  // routing gives it many distinct row counts (groups of one); with the counts on the host (this
+  // pipeline synchronises for them anyway) a competent user gives every expert with many rows a
+  // dense GEMM of its own and leaves only the small ones to the grouped call.
+  small_experts = static_cast<size_t>(
+      std::partition_point(expert_order.begin(), expert_order.end(),
+                           [&](int32_t e) { return rows_of(e) < kDenseGemmRows; }) -
+      expert_order.begin());
+  if (small_experts == 0) return Status::ok_status();
 
   gu_call.clear();
   down_call.clear();
@@ -653,7 +660,7 @@ Status NcclCublasMoe::Impl::plan(const ForwardArgs& a) {
   const bf16* hp = h.as<bf16>();
   const int Hi = static_cast<int>(H), Ii = static_cast<int>(I);  // checked in create()
   // Expert q of the order is problem q of both calls.
-  for (size_t q = 0; q < expert_order.size(); ++q) {
+  for (size_t q = 0; q < small_experts; ++q) {
     const int32_t e = expert_order[q];
     const int n = static_cast<int>(rows_of(e));
     if (q == 0 || n != rows_of(expert_order[q - 1])) {
@@ -721,7 +728,7 @@ Status NcclCublasMoe::Impl::forward(const ForwardArgs& a, const cudaEvent_t* mar
   // read host_plan.
   NCB_RETURN_IF_ERROR(
       exchange_rows(home_rows.as<bf16>(), recv_rows.as<bf16>(), false, "ncclGroupEnd (dispatch)"));
-  const int64_t upload = R == 0 ? 0 : !dense ? plan_bytes : !in_order ? table_bytes : 0;
+  const int64_t upload = R == 0 ? 0 : small_experts > 0 ? plan_bytes : !in_order ? table_bytes : 0;
   if (upload > 0)
     NCB_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(plan_dev.as<void>(), host_plan.as<void>(), upload,
                                              cudaMemcpyHostToDevice, stream),
@@ -732,8 +739,21 @@ Status NcclCublasMoe::Impl::forward(const ForwardArgs& a, const cudaEvent_t* mar
   // 3. Expert FFN on the rows in expert order: the fused gate|up GEMM into gate_up [R, 2I],
   // SwiGLU over its two halves into h [R, I], down back over the input rows.
   bf16* rows = ffn_rows();
-  if (R > 0 && dense) {
-    for (int32_t e : expert_order) {
+  if (R > 0) {
+    const auto* ptrs = reinterpret_cast<const void* const*>(plan_dev.as<char>() + table_bytes);
+    auto* out_ptrs = reinterpret_cast<void* const*>(plan_dev.as<char>() + table_bytes);
+    const std::span<const int32_t> dense_experts(expert_order.data() + small_experts,
+                                                 expert_order.size() - small_experts);
+    if (small_experts > 0)
+      NCB_RETURN_IF_ERROR(cublas(
+          cublasGemmGroupedBatchedEx(
+              blas, gu_call.transa.data(), gu_call.transb.data(), gu_call.m.data(),
+              gu_call.n.data(), gu_call.k.data(), gu_call.alpha.data(), ptrs, CUDA_R_16BF,
+              gu_call.lda.data(), ptrs + E, CUDA_R_16BF, gu_call.ldb.data(), gu_call.beta.data(),
+              out_ptrs + 2 * E, CUDA_R_16BF, gu_call.ldc.data(), gu_call.groups(),
+              gu_call.group_size.data(), CUBLAS_COMPUTE_32F),
+          "cublasGemmGroupedBatchedEx (gate|up)"));
+    for (int32_t e : dense_experts) {
       const int64_t r0 = expert_off[e], n = expert_off[e + 1] - r0;
       NCB_RETURN_IF_ERROR(cublas(
           gemm_rows_wt(blas, n, 2 * I, H, rows + r0 * H, H, gate_up_w.as<bf16>() + e * 2 * I * H,
@@ -742,32 +762,21 @@ Status NcclCublasMoe::Impl::forward(const ForwardArgs& a, const cudaEvent_t* mar
     }
     NCB_RETURN_IF_ERROR(
         cuda(swiglu_bf16(gate_up.as<bf16>(), h.as<bf16>(), R, I, stream), "swiglu_bf16"));
-    for (int32_t e : expert_order) {
+    if (small_experts > 0)
+      NCB_RETURN_IF_ERROR(cublas(
+          cublasGemmGroupedBatchedEx(
+              blas, down_call.transa.data(), down_call.transb.data(), down_call.m.data(),
+              down_call.n.data(), down_call.k.data(), down_call.alpha.data(), ptrs + 3 * E,
+              CUDA_R_16BF, down_call.lda.data(), ptrs + 4 * E, CUDA_R_16BF, down_call.ldb.data(),
+              down_call.beta.data(), out_ptrs + 5 * E, CUDA_R_16BF, down_call.ldc.data(),
+              down_call.groups(), down_call.group_size.data(), CUBLAS_COMPUTE_32F),
+          "cublasGemmGroupedBatchedEx (down)"));
+    for (int32_t e : dense_experts) {
       const int64_t r0 = expert_off[e], n = expert_off[e + 1] - r0;
       NCB_RETURN_IF_ERROR(cublas(gemm_rows_wt(blas, n, H, I, h.as<bf16>() + r0 * I, I,
                                               a.weights.down + e * H * I, rows + r0 * H, H),
                                  "cublasGemmEx (down, per expert)"));
     }
-  } else if (R > 0) {
-    const auto* ptrs = reinterpret_cast<const void* const*>(plan_dev.as<char>() + table_bytes);
-    auto* out_ptrs = reinterpret_cast<void* const*>(plan_dev.as<char>() + table_bytes);
-    NCB_RETURN_IF_ERROR(cublas(
-        cublasGemmGroupedBatchedEx(
-            blas, gu_call.transa.data(), gu_call.transb.data(), gu_call.m.data(), gu_call.n.data(),
-            gu_call.k.data(), gu_call.alpha.data(), ptrs, CUDA_R_16BF, gu_call.lda.data(), ptrs + E,
-            CUDA_R_16BF, gu_call.ldb.data(), gu_call.beta.data(), out_ptrs + 2 * E, CUDA_R_16BF,
-            gu_call.ldc.data(), gu_call.groups(), gu_call.group_size.data(), CUBLAS_COMPUTE_32F),
-        "cublasGemmGroupedBatchedEx (gate|up)"));
-    NCB_RETURN_IF_ERROR(
-        cuda(swiglu_bf16(gate_up.as<bf16>(), h.as<bf16>(), R, I, stream), "swiglu_bf16"));
-    NCB_RETURN_IF_ERROR(cublas(
-        cublasGemmGroupedBatchedEx(
-            blas, down_call.transa.data(), down_call.transb.data(), down_call.m.data(),
-            down_call.n.data(), down_call.k.data(), down_call.alpha.data(), ptrs + 3 * E,
-            CUDA_R_16BF, down_call.lda.data(), ptrs + 4 * E, CUDA_R_16BF, down_call.ldb.data(),
-            down_call.beta.data(), out_ptrs + 5 * E, CUDA_R_16BF, down_call.ldc.data(),
-            down_call.groups(), down_call.group_size.data(), CUBLAS_COMPUTE_32F),
-        "cublasGemmGroupedBatchedEx (down)"));
   }
   NCB_RETURN_IF_ERROR(mark(marks, 3));
 

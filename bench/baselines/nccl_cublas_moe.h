@@ -15,9 +15,9 @@
 //      expert order (none when that order already is the received one, e.g. one rank);
 //   4. expert FFN: one GEMM per expert against a fused gate|up weight [E, 2I, H] (gate rows, then
 //      up rows) writing [rows, 2I], the SwiGLU kernel of bench/swiglu_baseline.cuh over its two
-//      halves, the down GEMM: one cublasGemmGroupedBatchedEx call per projection, or one dense
-//      cublasGemmEx per expert and projection when every expert has at least 256 rows (where
-//      cuBLAS's grouped GEMM is slow);
+//      halves, the down GEMM: one dense cublasGemmEx per projection for each expert with at
+//      least 64 rows (where cuBLAS's grouped GEMM is slow), one cublasGemmGroupedBatchedEx call
+//      per projection for the experts with fewer;
 //   5. combine: results moved back into received order (the same kernel, the other way) and sent
 //      home with ncclSend/ncclRecv;
 //   6. y[t] = sum over k (in order, fp32) of topk_weights[t, k] * the row of slot (t, k), bf16.
@@ -43,9 +43,9 @@ class NcclCublasMoe {
   static constexpr const char* kDescription =
       "counting-sort permute, ncclAllGather of per-(rank, expert) counts + one host sync\n"
       "  (the only one), ncclSend/Recv all-to-all, block permute to expert order, fused gate|up\n"
-      "  GEMM + SwiGLU kernel + down GEMM (cublasGemmGroupedBatchedEx; one cublasGemmEx per\n"
-      "  expert from 256 rows per expert), permute back, all-to-all back, weighted sum; one\n"
-      "  stream per rank, whole call timed with CUDA events (host sync included)";
+      "  GEMM + SwiGLU kernel + down GEMM (one cublasGemmEx per expert with 64 rows or more,\n"
+      "  cublasGemmGroupedBatchedEx for the rest), permute back, all-to-all back, weighted sum;\n"
+      "  one stream per rank, whole call timed with CUDA events (host sync included)";
 
   // The stages forward() marks with events, named as epflow-bench names EPFlow's:
   //   0 "metadata+schedule": route sort, count exchange, the host sync, the host's plan, and the
