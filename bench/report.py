@@ -4,8 +4,9 @@ output, never typed by hand). epflow-gemm-bench results ("kind": "gemm") get a t
 own. Layer results with any system besides EPFlow (epflow-bench's baselines, bench/baselines/
 torch_moe.py, bench/run_all.py's merged file) get a side-by-side comparison, then EPFlow's
 per-stage table. Every table names each row's routing distribution (epflow-bench --routing);
-files from before it have none and are uniform.
-Usage: bench/report.py RESULT.json [RESULT.json ...]"""
+files from before it have none and are uniform. --summary prints only the short table of the
+README (EPFlow against the baselines, each pass in the mode the other system runs it).
+Usage: bench/report.py [--summary] RESULT.json [RESULT.json ...]"""
 import json
 import sys
 
@@ -27,6 +28,16 @@ def routing_of(r):
 def is_baseline(system):
     """Systems EPFlow is compared with: not EPFlow's own variants (unfused chain, knob sweep)."""
     return not system.startswith("epflow")
+
+
+# Baselines whose "fwd" run is a training forward, timed recording autograd
+# (bench/baselines/torch_moe.py): compared with EPFlow's training forward (the one that keeps
+# g | u), never with its inference forward.
+TRAINING_FORWARD = {"nccl-pytorch"}
+
+
+def inference_baseline(system, direction):
+    return is_baseline(system) and direction == "fwd" and system not in TRAINING_FORWARD
 
 
 def render_fused(docs):
@@ -185,8 +196,8 @@ def series_key(system, direction):
 
 def render_comparison(runs):
     """Side-by-side µs and TFLOP/s per GPU of every (system, direction) per point (preset, tokens,
-    EP, routing: each routing a row of its own), and EPFlow's forward speedup over the fastest
-    baseline forward of the same row; with EPFlow
+    EP, routing: each routing a row of its own), and EPFlow's (inference) forward speedup over
+    the fastest inference baseline forward of the same row; with EPFlow
     backward runs, its speedup over the fastest baseline backward and its TFLOP/s (twice the
     forward FLOPs) against the cuBLAS dense yardstick of the same row's EPFlow forward run, its
     training forward (the one that keeps g | u) against the baselines' training forward
@@ -203,7 +214,7 @@ def render_comparison(runs):
         rows.setdefault(point(r), {})[(r["system"], r["direction"])] = r
     print("| preset | tokens/rank | EP | routing | "
           + " | ".join(f"{s} {d} µs (TFLOP/s/GPU)" for s, d in series)
-          + " | EPFlow fwd speedup vs best baseline fwd"
+          + " | EPFlow fwd speedup vs best inference baseline fwd"
           + (" | EPFlow fused vs unfused" if unfused else "")
           + (" | EPFlow bwd speedup vs best baseline bwd | EPFlow bwd / cuBLAS dense"
              " | EPFlow training fwd µs, speedup vs NCCL+PyTorch fwd"
@@ -219,7 +230,7 @@ def render_comparison(runs):
             r = row.get(key)
             cells.append("n/a" if r is None else
                          f"{r['layer_us']:.0f} ({r['layer_tflops_per_gpu']:.1f})")
-        baselines = [r for (s, d), r in row.items() if is_baseline(s) and d == "fwd"]
+        baselines = [r for (s, d), r in row.items() if inference_baseline(s, d)]
         speedup = "n/a"
         if ("epflow", "fwd") in row and baselines:
             best = min(baselines, key=lambda r: r["layer_us"])
@@ -251,6 +262,58 @@ def render_comparison(runs):
                 if best_step else ""))
         print(f"| {preset} | {tokens} | {ep} | {routing} | " + " | ".join(cells)
               + f" | {speedup} | {device} | {commit} |")
+
+
+def render_baseline_stages(runs):
+    """Per-stage times of the baselines that mark stages (NCCL+cuBLAS: route with its host sync,
+    dispatch, expert FFN, combine + weighted sum), beside EPFlow's per-stage table."""
+    print("| system | preset | tokens/rank | EP | routing | layer µs | route + host sync µs "
+          "| dispatch µs | expert FFN µs | combine + weighted sum µs | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['system']} | {r['preset']} | {r['tokens']} | {r['ep']} | {r['routing']} "
+              f"| {r['layer_us']:.0f} | {r['stage_us_0']:.0f} | {r['stage_us_1']:.0f} "
+              f"| {r['stage_us_2']:.0f} | {r['stage_us_3']:.0f} | {r['commit']} |")
+
+
+def render_summary(runs):
+    """The README's table: per point, EPFlow against the baseline that runs each pass the same
+    way: inference forward against NCCL+cuBLAS (the inference baseline), training forward,
+    backward and training step (forward + backward timed as one) against NCCL+PyTorch; µs,
+    EPFlow's speedup in brackets."""
+    rows = {}
+    for r in runs:
+        rows.setdefault(point(r), {})[(r["system"], r["direction"])] = r
+    presets = list(dict.fromkeys(r["preset"] for r in runs))
+    routings = list(dict.fromkeys(r["routing"] for r in runs))
+
+    def cell(mine, theirs, field_mine, field_theirs="layer_us"):
+        a = mine.get(field_mine) if mine else None
+        b = theirs.get(field_theirs) if theirs else None
+        return "n/a" if a is None or b is None else f"{a:.0f} / {b:.0f} ({b / a:.2f}x)"
+
+    print("| model | tokens per GPU | EP | routing "
+          "| inference forward, µs: EPFlow / NCCL+cuBLAS "
+          "| training forward, µs: EPFlow / NCCL+PyTorch "
+          "| backward, µs: EPFlow / NCCL+PyTorch "
+          "| training step, µs: EPFlow / NCCL+PyTorch |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    for key in sorted(rows, key=lambda k: (presets.index(k[0]), -k[2], routings.index(k[3]),
+                                           k[1])):
+        row = rows[key]
+        fwd, bwd = row.get(("epflow", "fwd")), row.get(("epflow", "bwd"))
+        torch_fwd, torch_bwd = row.get(("nccl-pytorch", "fwd")), row.get(("nccl-pytorch", "bwd"))
+        cells = [cell(fwd, row.get(("nccl-cublas", "fwd")), "layer_us"),
+                 cell(bwd, torch_fwd, "forward_saving_us"),
+                 cell(bwd, torch_bwd, "layer_us"),
+                 cell(bwd, torch_bwd, "train_step_us", "train_step_us")]
+        print(f"| {NAMES.get(key[0], key[0])} | {key[1]} | {key[2]} | {key[3]} | "
+              + " | ".join(cells) + " |")
+
+
+# How the summary names the presets.
+NAMES = {"deepseek-v3": "DeepSeek-V3", "qwen3-235b-a22b": "Qwen3-235B-A22B",
+         "qwen3-30b-a3b": "Qwen3-30B-A3B", "deepseek-v4-flash": "DeepSeek-V4-Flash"}
 
 
 def render_epflow(docs):
@@ -294,8 +357,11 @@ def render_gemm(docs):
                   f"| {doc['device']} | {doc['commit']} |")
 
 
-def main(paths):
+def main(paths, summary=False):
     docs = [load(p) for p in paths]
+    if summary:
+        render_summary(layer_runs([d for d in docs if d.get("kind") != "gemm"]))
+        return
     layer = [d for d in docs if d.get("kind") != "gemm"]
     gemm = [d for d in docs if d.get("kind") == "gemm"]
     runs = layer_runs(layer)
@@ -311,6 +377,10 @@ def main(paths):
         if epflow:
             print()
             render_epflow(epflow)
+        staged = [r for r in runs if is_baseline(r["system"]) and "stage_us_0" in r]
+        if staged:
+            print()
+            render_baseline_stages(staged)
         if any(r["system"] == SWEEP for r in runs):
             print()
             render_sweep(runs)
@@ -330,6 +400,9 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    summary = "--summary" in args
+    paths = [a for a in args if a != "--summary"]
+    if not paths:
         sys.exit(__doc__)
-    main(sys.argv[1:])
+    main(paths, summary)
