@@ -83,6 +83,7 @@ struct RankResult {
   std::vector<double> backward_side_us;  // --backward-side-sms: the unfused one, each count
   std::vector<double> backward_comm_us;  // --backward-comm-sms: the megakernel, each count
   MemoryReport memory;  // --backward: the layer's memory (created with_backward)
+  int64_t saved_context_bytes = 0;  // --backward: one forward's context
 };
 
 double median(std::vector<double> v) {
@@ -175,11 +176,11 @@ class RankData {
   }
   const ForwardArgs& args() const { return args_; }
 
-  // The backward's outputs (dx, d topk_weights, weight gradients in `dtype`) and its arguments,
-  // dy = x.
-  // The backward's buffers, and dy = bench_inputs.h's dy (the same every system's backward gets).
+  // The backward's outputs (dx, d topk_weights, weight gradients in `dtype`), dy =
+  // bench_inputs.h's dy (the same every system's backward gets), and one SavedContext's buffer
+  // of context_bytes (Layer::saved_context_bytes()), reused by each forward-backward pair.
   Status create_grads(const LayerConfig& c, int64_t T, GradDType dtype, uint64_t seed,
-                      cudaStream_t stream) {
+                      int64_t context_bytes, cudaStream_t stream) {
     const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank(), K = c.top_k;
     const int64_t grad_words = (dtype == GradDType::kFP32 ? 2 : 1) * E * I * H / 2;
     __nv_bfloat16* dx = nullptr;
@@ -203,9 +204,15 @@ class RankData {
     grads_.d_up = du;
     grads_.d_down = dd;
     grads_.grad_dtype = dtype;
+    char* context = nullptr;  // cudaMalloc's 256-byte alignment is what SavedContext needs
+    EPFLOW_RETURN_IF_ERROR(alloc(&context, context_bytes, "cudaMalloc (saved context)"));
+    context_.buffer = context;
+    context_.buffer_bytes = context_bytes;
     return Status::ok_status();
   }
   const BackwardArgs& grads() const { return grads_; }
+  // A context with the buffer and nothing filled, for the next forward.
+  SavedContext fresh_context() const { return context_; }
 
  private:
   template <typename T>
@@ -223,6 +230,7 @@ class RankData {
   float* tw_ = nullptr;
   ForwardArgs args_;
   BackwardArgs grads_;
+  SavedContext context_;
 };
 
 // n + 1 events per iteration (n <= kMax stages): its start, then the end of each stage.
@@ -339,20 +347,24 @@ Status write_trace(const BenchHooks& hooks, int32_t comm_ctas, int rank, const s
 }
 
 // --backward: warmup + iters forward calls that save their context (median in
-// out->forward_saving_us), then warmup + iters backward calls of the last one with an event at
-// each stage boundary (medians in out->backward_us and out->backward_stage_us), then warmup +
-// iters training steps, forward and backward timed as one (out->train_step_us).
+// out->forward_saving_us), then warmup + iters forward-backward pairs with an event at each stage
+// boundary of the backward (a context serves one backward; medians in out->backward_us and
+// out->backward_stage_us), then warmup + iters training steps, forward and backward timed as one
+// (out->train_step_us).
 Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const LayerConfig& c,
                      int64_t T, const Options& o, cudaStream_t stream, RankResult* out,
                      const std::string& trace_path) {
-  EPFLOW_RETURN_IF_ERROR(data.create_grads(
-      c, T, o.fp32_grads ? GradDType::kFP32 : GradDType::kBF16, o.seed, stream));
+  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T,
+                                            o.fp32_grads ? GradDType::kFP32 : GradDType::kBF16,
+                                            o.seed, layer.saved_context_bytes(), stream));
   out->memory = layer.memory();
-  SavedContext saved;
+  out->saved_context_bytes = layer.saved_context_bytes();
+  SavedContext saved = data.fresh_context();
   const int n = o.warmup + o.iters;
   IterationEvents<1> fwd;
   EPFLOW_RETURN_IF_ERROR(fwd.create(n));
   for (int i = 0; i < n; ++i) {
+    saved = data.fresh_context();
     EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(fwd.marks(i)[0], stream), "cudaEventRecord"));
     EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
     EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(fwd.marks(i)[1], stream), "cudaEventRecord"));
@@ -361,16 +373,19 @@ Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const 
   EPFLOW_RETURN_IF_ERROR(
       layer.with_device_failure(cuda_status(cudaStreamSynchronize(stream), "EPFlow forward")));
   EPFLOW_RETURN_IF_ERROR(fwd.summarize(o.warmup, &out->forward_saving_us, &unused_stage));
-  // The backward of the saved context, warmup + iters times with its stage events; the medians
-  // of the timed ones.
+  // warmup + iters backwards, each of a fresh forward's context (untimed), with its stage
+  // events; the medians of the timed ones.
   auto run = [&](double* total_us, double* stage_us, std::vector<std::string>* names) {
     const std::vector<const char*> stages = layer.backward_stage_names();
     if (names) names->assign(stages.begin(), stages.end());
     IterationEvents<kMaxBackwardStages> ev;
     EPFLOW_RETURN_IF_ERROR(ev.create(n, static_cast<int>(stages.size())));
     for (int i = 0; i < n; ++i) {
+      saved = data.fresh_context();
+      EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
       hooks.set_marks(ev.marks(i));
       EPFLOW_RETURN_IF_ERROR(layer.backward(data.grads(), saved, stream, &hooks));
+      hooks.set_marks(nullptr);
     }
     hooks.set_marks(nullptr);
     EPFLOW_RETURN_IF_ERROR(
@@ -384,6 +399,7 @@ Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const 
   IterationEvents<1> step;
   EPFLOW_RETURN_IF_ERROR(step.create(n));
   for (int i = 0; i < n; ++i) {
+    saved = data.fresh_context();
     EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[0], stream), "cudaEventRecord"));
     EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
     EPFLOW_RETURN_IF_ERROR(layer.backward(data.grads(), saved, stream));
@@ -443,13 +459,12 @@ Status fetch_rows(const __nv_bfloat16* y, const std::vector<int64_t>& tokens, in
 // --check: one forward that saves its context, then its backward with dy_key's dy and
 // fp32 weight gradients written over poisoned outputs (all-ones bytes, NaN: an element never
 // written fails the check); every output into `fused` as floats, in reference::RankGrads'
-// layout. With `unfused`, the unfused backward of the same context again, into it.
+// layout. With `unfused`, a second forward and the unfused backward of its context, into it.
 Status run_checked_backward(LayerCore& layer, RankData& data, const LayerConfig& c, int64_t T,
                             uint64_t seed, cudaStream_t stream, reference::RankGrads* fused,
                             reference::RankGrads* unfused) {
-  EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T, GradDType::kFP32, seed, stream));
-  SavedContext saved;
-  EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
+  EPFLOW_RETURN_IF_ERROR(
+      data.create_grads(c, T, GradDType::kFP32, seed, layer.saved_context_bytes(), stream));
   const BackwardArgs& b = data.grads();
   const int64_t H = c.hidden, K = c.top_k;
   const int64_t weights = c.experts_per_rank() * c.intermediate * c.hidden;
@@ -463,6 +478,8 @@ Status run_checked_backward(LayerCore& layer, RankData& data, const LayerConfig&
                               {b.d_down, weights * 4}})
       EPFLOW_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(ptr, 0xFF, bytes, stream),
                                          "cudaMemsetAsync (poisoned backward outputs)"));
+    SavedContext saved = data.fresh_context();
+    EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
     EPFLOW_RETURN_IF_ERROR(layer.backward(b, saved, stream));
     EPFLOW_RETURN_IF_ERROR(layer.with_device_failure(
         cuda_status(cudaStreamSynchronize(stream), "EPFlow backward (--check)")));
@@ -1159,6 +1176,7 @@ int run_gpu(const Options& o, int devices) {
         to->backward_side_us = from.backward_side_us;
         to->backward_comm_us = from.backward_comm_us;
         to->memory = from.memory;
+        to->saved_context_bytes = from.saved_context_bytes;
         to->backward_stage_names = from.backward_stage_names;
         to->unfused_backward_us = from.unfused_backward_us;
         to->unfused_stage_names = from.unfused_stage_names;
@@ -1358,9 +1376,10 @@ int run_gpu(const Options& o, int devices) {
           auto tflops = [&](double us) { return 2 * bench::forward_flops(c, b.routed_slots) / us * 1e-6; };
           std::printf("    its stages (us, slowest rank):%s\n",
                       stages_text(b.backward_stage_names, b.backward_stage_us).c_str());
-          std::printf("    memory (GB): backward rows %.2f, kept g|u %.2f, layer total %.2f\n",
-                      b.memory.backward_bytes * 1e-9, b.memory.saved_bytes * 1e-9,
-                      b.memory.total() * 1e-9);
+          std::printf("    memory (GB): backward rows %.2f, layer total %.2f; a forward's "
+                      "context (schedule, g|u) %.2f\n",
+                      b.memory.backward_bytes * 1e-9, b.memory.total() * 1e-9,
+                      b.saved_context_bytes * 1e-9);
           std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
                       bench::forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
           const RankResult& ts = slowest(variant_results[0], &RankResult::train_step_us);
@@ -1384,7 +1403,7 @@ int run_gpu(const Options& o, int devices) {
                << join_numbers(per_repeat(variant_reps[0], &RankResult::train_step_us), ", ", 2)
                << "]"
                << ", \"backward_bytes\": " << b.memory.backward_bytes
-               << ", \"saved_bytes\": " << b.memory.saved_bytes
+               << ", \"saved_context_bytes\": " << b.saved_context_bytes
                << ", \"stage_us\": {" << stages_json(b.backward_stage_names, b.backward_stage_us)
                << "}}";
           if (o.backward_unfused) {

@@ -137,6 +137,8 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
     EPFLOW_TRY_CUDA(cudaMalloc(&y, T_max * H * 2));
     EPFLOW_TRY_CUDA(cudaMalloc(&idx, T_max * K * 4));
     EPFLOW_TRY_CUDA(cudaMalloc(&tw, T_max * K * 4));
+    void* context = nullptr;  // with_backward: every forward fills a context over it
+    if (c.with_backward) EPFLOW_TRY_CUDA(cudaMalloc(&context, layer->saved_context_bytes()));
     cudaStream_t stream;
     EPFLOW_TRY_CUDA(cudaStreamCreate(&stream));
     for (size_t call = 0; call < calls.size(); ++call) {
@@ -154,6 +156,8 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       a.weights = {w[0], w[1], w[2]};
       a.y = y;
       SavedContext saved;
+      saved.buffer = context;
+      saved.buffer_bytes = c.with_backward ? layer->saved_context_bytes() : 0;
       // A timed-out wait traps the megakernel (cudaErrorLaunchFailure): say which one.
       auto sync = [&]() -> Status {
         const cudaError_t e = cudaStreamSynchronize(stream);
@@ -204,6 +208,7 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
     cudaFree(y);
     cudaFree(idx);
     cudaFree(tw);
+    if (context) cudaFree(context);
     cudaStreamDestroy(stream);
     return Status::ok_status();
   });

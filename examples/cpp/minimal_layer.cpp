@@ -97,10 +97,10 @@ epflow::Status run_rank(int rank, int world, ncclComm_t comm) {
   for (__nv_bfloat16 v : y) checksum += __bfloat162float(v);
   const epflow::MemoryReport m = layer->memory();
   std::printf(
-      "rank %d: memory symmetric %lld ring %lld schedule %lld saved %lld backward %lld "
-      "total %lld bytes; sum(y) = %.6f\n",
+      "rank %d: memory symmetric %lld ring %lld schedule %lld backward %lld total %lld bytes; "
+      "sum(y) = %.6f\n",
       rank, (long long)m.symmetric_bytes, (long long)m.ring_bytes, (long long)m.schedule_bytes,
-      (long long)m.saved_bytes, (long long)m.backward_bytes, (long long)m.total(), checksum);
+      (long long)m.backward_bytes, (long long)m.total(), checksum);
   return epflow::Status::ok_status();
 }
 

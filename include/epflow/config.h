@@ -54,10 +54,10 @@ struct LayerConfig {
   // Every wait on another SM or GPU gives up after this long with a diagnostic.
   double timeout_seconds = 5.0;
 
-  // Training: create() also allocates what a forward that fills a SavedContext keeps (every
-  // routable row's g | u) and the backward's buffers, so that no call allocates (calls can be
-  // captured in a CUDA graph from the first one). Without it, forward() with a SavedContext and
-  // backward() are refused; Layer::memory() reports the extra bytes.
+  // Training: create() also allocates the backward's row buffers, so that no call allocates
+  // (calls can be captured in a CUDA graph from the first one); each forward that fills a
+  // SavedContext keeps its activations in the caller's memory. Without it, forward() with a
+  // SavedContext and backward() are refused; Layer::memory() reports the extra bytes.
   bool with_backward = false;
 
   int32_t experts_per_rank() const { return ep_size > 0 ? num_experts / ep_size : 0; }

@@ -31,19 +31,27 @@ struct ForwardArgs {
   __nv_bfloat16* y = nullptr;             // [T, H] out
 };
 
-// What forward() keeps for backward() (layers created with LayerConfig::with_backward):
-// references to the caller's inputs (x, topk_idx, topk_weights, weights), which must stay
-// unchanged until backward() has been enqueued; the layer itself keeps every routed row's gate/up
-// pre-activations g | u (MemoryReport::saved_bytes); backward reuses the forward's schedule and
-// the x rows still in every rank's window (docs/ARCHITECTURE.md, "Saved context"), so a context
-// is valid until the next forward() on the same Layer (a stale one is refused).
+// One forward's context for its backward (layers created with LayerConfig::with_backward).
+// The caller gives the memory: `buffer`, at least Layer::saved_context_bytes() bytes of device
+// memory, 256-byte aligned, set before forward(); forward() keeps in it what the backward reads
+// (the call's routing schedule and every routed row's gate/up pre-activations g | u) and records
+// references to the caller's inputs (x, topk_idx, topk_weights, weights), which, like the
+// buffer, must stay unchanged until backward() has been enqueued. Contexts are independent: any
+// number of forwards of a layer may be in flight, and their backwards may run in any order, on
+// the stream of the layer's calls. A context serves one backward() of the layer that filled it;
+// using it again, or with another layer, is refused.
 struct SavedContext {
-  uint64_t generation = 0;  // 0: never filled
+  void* buffer = nullptr;  // set by the caller
+  int64_t buffer_bytes = 0;
+  // Filled by forward():
+  uint64_t layer_id = 0;  // 0: never filled
+  uint64_t call = 0;      // the layer's forward call that filled it
   int64_t num_tokens = 0;
   const __nv_bfloat16* x = nullptr;
   const int32_t* topk_idx = nullptr;
   const float* topk_weights = nullptr;
   ExpertWeights weights;
+  std::shared_ptr<bool> consumed;  // set by backward(); shared by copies of the context
 };
 
 enum class GradDType { kBF16, kFP32 };
@@ -60,17 +68,14 @@ struct BackwardArgs {
   bool accumulate_weight_grads = false;   // add into d_* instead of overwriting
 };
 
-// Device memory the layer holds, by purpose (bytes).
+// Device memory the layer holds, by purpose (bytes); the contexts of forwards in flight are the
+// caller's (Layer::saved_context_bytes() each).
 struct MemoryReport {
   int64_t symmetric_bytes = 0;   // NCCL symmetric windows (peers read or write them)
   int64_t ring_bytes = 0;        // the megakernel's ring (routed x rows and SwiGLU outputs)
-  int64_t schedule_bytes = 0;    // pull table, counts, counters
-  int64_t saved_bytes = 0;       // activations kept for backward: g | u of every routable row
-  int64_t backward_bytes = 0;    // the backward's row buffers
-  // (both allocated by create() with LayerConfig::with_backward, 0 without)
-  int64_t total() const {
-    return symmetric_bytes + ring_bytes + schedule_bytes + saved_bytes + backward_bytes;
-  }
+  int64_t schedule_bytes = 0;    // the inference forward's pull table, counts, counters
+  int64_t backward_bytes = 0;    // the backward's row buffers (LayerConfig::with_backward, else 0)
+  int64_t total() const { return symmetric_bytes + ring_bytes + schedule_bytes + backward_bytes; }
 };
 
 // Host-side checks of one call's arguments; forward()/backward() run them before any launch.
@@ -90,6 +95,9 @@ class Layer {
 
   const LayerConfig& config() const;
   MemoryReport memory() const;
+  // The bytes of SavedContext::buffer a forward keeps its activations in (sized for every row
+  // the layer can route to this rank's experts).
+  int64_t saved_context_bytes() const;
 
   // What this rank's calls found wrong in topk_idx since the last report, then cleared:
   // kInvalidArgument counting the slots whose id is outside [-1, num_experts) (skipped: they

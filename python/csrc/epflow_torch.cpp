@@ -5,20 +5,26 @@
 //                               top_k, max_tokens_per_rank, timeout_seconds, comm_sms,
 //                               minibatch_rows, ring_rows, with_backward)
 //       owns one ncclComm_t (ncclCommInitRank on `device`) and one epflow::Layer on it
-//       (with_backward: LayerConfig::with_backward, what training needs).
-//     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down) -> (Tensor y, int context)
-//       Layer::forward keeping its SavedContext; `context` is that forward's generation.
-//     .forward_train_out(x, topk_idx, topk_weights, w_gate, w_up, w_down, y) -> int context
-//       the same, writing into the caller's y [T, H] bf16.
-//     .backward(context, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+//       (with_backward: LayerConfig::with_backward, what training needs). Layers of one shape
+//       share a handle (python/epflow): its buffers serve every call, in stream order.
+//     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer) -> Context
+//       Layer::forward into the caller's y [T, H] bf16, keeping what its backward reads in
+//       `buffer` (uint8, Handle.saved_context_bytes() bytes, the caller's: autograd saves it
+//       like any activation, so activation checkpointing can drop and recompute it); any number
+//       of contexts may be in flight.
+//     .backward(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down)
 //         -> (dx, d_topk_weights, d_w_gate, d_w_up, d_w_down)
-//       Layer::backward of that forward (the same input tensors, unchanged); bf16 weight
-//       gradients (the parameters' dtype), fp32 d_topk_weights. A context that a later forward of
-//       the handle made stale is refused with an error.
-//     .backward_out(context, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down,
+//       Layer::backward of that context, given its buffer and its forward's inputs (the same
+//       values: a recomputed copy is fine); bf16 weight gradients (the parameters' dtype), fp32
+//       d_topk_weights. A context serves one backward; a second is refused with an error.
+//     .backward_out(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down,
 //                   dx, d_topk_weights, d_w_gate, d_w_up, d_w_down)
 //       the same, writing into the caller's tensors (each overwritten: weight gradients are not
 //       accumulated into them).
+//     .memory() -> [symmetric, ring, schedule, backward] bytes the layer holds;
+//     .saved_context_bytes() -> bytes of one forward's context.
+//   torch.classes.epflow.Context: one training forward's context (which layer and call made
+//       it, and whether a backward has used it).
 //   epflow::get_unique_id() -> Tensor            ncclUniqueId as uint8[128] on the CPU
 //   epflow::moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights,
 //                       Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor y
@@ -30,8 +36,8 @@
 //       input); returns it.
 //
 // Every output is written whole by the call (every element of y, dx and d_topk_weights; every
-// expert's weight gradient, zero for an expert no row reached): the _out forms let a test fill
-// them with NaN first and check that.
+// expert's weight gradient, zero for an expert no row reached): the forms that take outputs let a
+// test fill them with NaN first and check that.
 //
 // NOTES: the op takes the handle's integer id, not the torchbind object: an int passes through
 // torch.compile (Dynamo, FakeTensor, AOTAutograd) and CUDA-graph capture untouched, whereas a
@@ -63,6 +69,14 @@ void check_status(const epflow::Status& s, const char* what) {
 }
 
 class Handle;
+
+// One training forward's context: the layer's SavedContext, whose buffer is the caller's tensor
+// (given again to the backward, which may get a recomputed copy of it).
+class Context : public torch::CustomClassHolder {
+ public:
+  epflow::SavedContext saved;
+  int64_t call() const { return static_cast<int64_t>(saved.call); }
+};
 
 std::mutex g_registry_mutex;
 std::unordered_map<int64_t, Handle*> g_registry;
@@ -136,23 +150,23 @@ class Handle : public torch::CustomClassHolder {
     return "epflow.Handle(id=" + std::to_string(id_) + ", cuda:" + std::to_string(device_) +
            ", " + config_.to_string() + ")";
   }
-  // Device memory the layer holds, bytes: [symmetric, ring, schedule, saved, backward].
+  // Device memory the layer holds, bytes: [symmetric, ring, schedule, backward].
   std::vector<int64_t> memory() const {
     const epflow::MemoryReport m = layer_->memory();
-    return {m.symmetric_bytes, m.ring_bytes, m.schedule_bytes, m.saved_bytes, m.backward_bytes};
+    return {m.symmetric_bytes, m.ring_bytes, m.schedule_bytes, m.backward_bytes};
   }
-  std::tuple<at::Tensor, int64_t> forward_train(const at::Tensor& x, const at::Tensor& topk_idx,
-                                                const at::Tensor& topk_weights,
-                                                const at::Tensor& w_gate, const at::Tensor& w_up,
-                                                const at::Tensor& w_down);
-  int64_t forward_train_out(const at::Tensor& x, const at::Tensor& topk_idx,
-                            const at::Tensor& topk_weights, const at::Tensor& w_gate,
-                            const at::Tensor& w_up, const at::Tensor& w_down, at::Tensor y);
+  int64_t saved_context_bytes() const { return layer_->saved_context_bytes(); }
+  c10::intrusive_ptr<Context> forward_train(const at::Tensor& x, const at::Tensor& topk_idx,
+                                            const at::Tensor& topk_weights,
+                                            const at::Tensor& w_gate, const at::Tensor& w_up,
+                                            const at::Tensor& w_down, at::Tensor y,
+                                            at::Tensor buffer);
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
-      int64_t context, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& topk_idx,
-      const at::Tensor& topk_weights, const at::Tensor& w_gate, const at::Tensor& w_up,
-      const at::Tensor& w_down);
-  void backward_out(int64_t context, const at::Tensor& dy, const at::Tensor& x,
+      const c10::intrusive_ptr<Context>& context, const at::Tensor& buffer, const at::Tensor& dy,
+      const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+      const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down);
+  void backward_out(const c10::intrusive_ptr<Context>& context, const at::Tensor& buffer,
+                    const at::Tensor& dy, const at::Tensor& x,
                     const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                     const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
                     at::Tensor dx, at::Tensor d_topk_weights, at::Tensor d_gate, at::Tensor d_up,
@@ -293,30 +307,41 @@ at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& to
   return moe_forward_out(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down, y);
 }
 
-int64_t Handle::forward_train_out(const at::Tensor& x, const at::Tensor& topk_idx,
-                                  const at::Tensor& topk_weights, const at::Tensor& w_gate,
-                                  const at::Tensor& w_up, const at::Tensor& w_down, at::Tensor y) {
+// A context's buffer: uint8, on the handle's device, contiguous, at least the layer's bytes.
+void check_context_buffer(const at::Tensor& buffer, int64_t bytes, const at::Device& device) {
+  TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.device() == device &&
+                  buffer.is_contiguous() && buffer.numel() >= bytes,
+              "EPFlow: the context buffer must be a contiguous uint8 tensor of at least ", bytes,
+              " bytes (Handle.saved_context_bytes()) on ", device, ", got ", buffer.scalar_type(),
+              " [", buffer.numel(), "] on ", buffer.device());
+}
+
+c10::intrusive_ptr<Context> Handle::forward_train(const at::Tensor& x,
+                                                  const at::Tensor& topk_idx,
+                                                  const at::Tensor& topk_weights,
+                                                  const at::Tensor& w_gate, const at::Tensor& w_up,
+                                                  const at::Tensor& w_down, at::Tensor y,
+                                                  at::Tensor buffer) {
+  TORCH_CHECK(config_.with_backward, "EPFlow forward_train: the handle was created without "
+              "with_backward (inference only)");
   ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
   bind_y(call, y, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  check_context_buffer(buffer, layer_->saved_context_bytes(), call.device);
+  check_output(buffer, "buffer", at::kByte, buffer.sizes(), call.device,
+               {{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights},
+                {"w_gate", &w_gate}, {"w_up", &w_up}, {"w_down", &w_down}, {"y", &y}});
   c10::cuda::CUDAGuard guard(call.device);
-  epflow::SavedContext saved;
-  check_status(layer_->forward(call.args, current_stream(call.device), &saved), "forward");
-  return static_cast<int64_t>(saved.generation);
+  auto context = c10::make_intrusive<Context>();
+  context->saved.buffer = buffer.data_ptr();
+  context->saved.buffer_bytes = buffer.numel();
+  check_status(layer_->forward(call.args, current_stream(call.device), &context->saved),
+               "forward");
+  return context;
 }
 
-std::tuple<at::Tensor, int64_t> Handle::forward_train(const at::Tensor& x,
-                                                      const at::Tensor& topk_idx,
-                                                      const at::Tensor& topk_weights,
-                                                      const at::Tensor& w_gate,
-                                                      const at::Tensor& w_up,
-                                                      const at::Tensor& w_down) {
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const int64_t context = forward_train_out(x, topk_idx, topk_weights, w_gate, w_up, w_down, y);
-  return {y, context};
-}
-
-void Handle::backward_out(int64_t context, const at::Tensor& dy, const at::Tensor& x,
-                          const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::Tensor& buffer,
+                          const at::Tensor& dy, const at::Tensor& x, const at::Tensor& topk_idx,
+                          const at::Tensor& topk_weights,
                           const at::Tensor& w_gate, const at::Tensor& w_up,
                           const at::Tensor& w_down, at::Tensor dx, at::Tensor d_topk_weights,
                           at::Tensor d_gate, at::Tensor d_up, at::Tensor d_down) {
@@ -326,7 +351,7 @@ void Handle::backward_out(int64_t context, const at::Tensor& dy, const at::Tenso
   const std::initializer_list<Named> inputs = {
       {"dy", &dy},         {"x", &x},          {"topk_idx", &topk_idx},
       {"topk_weights", &topk_weights}, {"w_gate", &w_gate}, {"w_up", &w_up},
-      {"w_down", &w_down}};
+      {"w_down", &w_down}, {"buffer", &buffer}};
   check_output(dx, "dx", at::kBFloat16, x.sizes(), call.device, inputs);
   check_output(d_topk_weights, "d_topk_weights", at::kFloat, topk_weights.sizes(), call.device,
                inputs);
@@ -340,14 +365,20 @@ void Handle::backward_out(int64_t context, const at::Tensor& dy, const at::Tenso
     for (size_t j = 0; j < i; ++j)
       TORCH_CHECK(!overlaps(*outs[i].second, *outs[j].second), "epflow: outputs ",
                   outs[j].first, " and ", outs[i].first, " overlap in memory");
+  check_context_buffer(buffer, layer_->saved_context_bytes(), call.device);
+  // The context as its forward left it (its copies share whether a backward used it), over the
+  // tensors given now: activation checkpointing gives recomputed copies of x and the buffer.
+  epflow::SavedContext saved = context->saved;
+  const epflow::ForwardArgs& f = call.args;
+  TORCH_CHECK(saved.num_tokens == f.num_tokens, "EPFlow backward: the context's forward had ",
+              saved.num_tokens, " tokens, x has ", f.num_tokens);
+  saved.buffer = buffer.data_ptr();
+  saved.buffer_bytes = buffer.numel();
+  saved.x = f.x;
+  saved.topk_idx = f.topk_idx;
+  saved.topk_weights = f.topk_weights;
+  saved.weights = f.weights;
   c10::cuda::CUDAGuard guard(call.device);
-  epflow::SavedContext saved;
-  saved.generation = static_cast<uint64_t>(context);
-  saved.num_tokens = call.args.num_tokens;
-  saved.x = call.args.x;
-  saved.topk_idx = call.args.topk_idx;
-  saved.topk_weights = call.args.topk_weights;
-  saved.weights = call.args.weights;
   epflow::BackwardArgs b;
   b.dy = reinterpret_cast<const __nv_bfloat16*>(dy.data_ptr());
   b.dx = reinterpret_cast<__nv_bfloat16*>(dx.data_ptr());
@@ -360,32 +391,33 @@ void Handle::backward_out(int64_t context, const at::Tensor& dy, const at::Tenso
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::backward(
-    int64_t context, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& topk_idx,
-    const at::Tensor& topk_weights, const at::Tensor& w_gate, const at::Tensor& w_up,
-    const at::Tensor& w_down) {
+    const c10::intrusive_ptr<Context>& context, const at::Tensor& buffer, const at::Tensor& dy,
+    const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+    const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down) {
   const auto contiguous = at::MemoryFormat::Contiguous;
   at::Tensor dx = at::empty_like(x, contiguous);
   at::Tensor d_topk_weights = at::empty_like(topk_weights, contiguous);
   at::Tensor d_gate = at::empty_like(w_gate, contiguous), d_up = at::empty_like(w_up, contiguous);
   at::Tensor d_down = at::empty_like(w_down, contiguous);
-  backward_out(context, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down, dx, d_topk_weights,
-               d_gate, d_up, d_down);
+  backward_out(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down, dx,
+               d_topk_weights, d_gate, d_up, d_down);
   return {dx, d_topk_weights, d_gate, d_up, d_down};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(epflow, m) {
+  m.class_<Context>("Context").def("call", &Context::call);
   m.class_<Handle>("Handle")
       .def(torch::init<at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                        int64_t, double, int64_t, int64_t, int64_t, bool>())
       .def("id", &Handle::id)
       .def("forward_train", &Handle::forward_train)
-      .def("forward_train_out", &Handle::forward_train_out)
       .def("backward", &Handle::backward)
       .def("backward_out", &Handle::backward_out)
       .def("device", &Handle::device)
       .def("memory", &Handle::memory)
+      .def("saved_context_bytes", &Handle::saved_context_bytes)
       .def("__repr__", &Handle::repr);
   m.def("get_unique_id() -> Tensor", &get_unique_id);
   m.def(

@@ -75,7 +75,8 @@ def _backward(ctx, grad_y):
 torch.library.register_autograd("epflow::moe_forward", _backward, setup_context=_setup_context)
 
 
-# --- handles: one NCCL communicator + epflow::Layer per (process group, device, shape) ---------
+# --- handles: one NCCL communicator + epflow::Layer per (process group, device, shape), shared by
+# every layer of that shape (a training forward keeps its activations in its own context) ------
 _HANDLES = {}
 
 
@@ -94,11 +95,10 @@ def _group_info(group):
 
 def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *, group=None,
                   device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0, ring_rows=0,
-                  with_backward=False, unique=False):
-    """Returns (key, handle) for this shape on this process group, creating it once (a new one
-    each time with unique=True: a training layer's forward context belongs to its own handle).
-    with_backward: the handle keeps what EPFlow's GPU backward needs (LayerConfig::with_backward;
-    its memory is allocated at creation).
+                  with_backward=False):
+    """Returns (key, handle) for this shape on this process group, creating it once: the layers
+    of one shape share it (its communicator, windows and buffers). with_backward: the handle has
+    the buffers EPFlow's GPU backward needs (LayerConfig::with_backward; allocated at creation).
 
     Creation is collective over `group` (default: the world group; without torch.distributed,
     a single rank): every rank must call it, in the same order, with the same shape. Rank 0 of
@@ -118,8 +118,6 @@ def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank,
              int(max_tokens_per_rank), float(timeout_seconds), int(comm_sms),
              int(minibatch_rows), int(ring_rows), bool(with_backward))
     key = (ranks, device.index) + shape
-    if unique:
-        key += (len(_HANDLES), object())  # never equal to another key
     if key in _HANDLES:
         return key, _HANDLES[key]
     with torch.cuda.device(device):
@@ -159,20 +157,24 @@ def _train_forward(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down):
 
 class _MoEFunction(torch.autograd.Function):
     """EPFlow's forward keeping its context, and its GPU backward (bf16 weight gradients, like
-    the parameters; fp32 d topk_weights)."""
+    the parameters; fp32 d topk_weights). What the backward reads (the call's routing schedule
+    and g | u) lives in a uint8 buffer saved like any activation: autograd frees it with the
+    graph, and activation checkpointing drops and recomputes it with the rest."""
 
     @staticmethod
     def forward(ctx, handle, x, topk_idx, topk_weights, w_gate, w_up, w_down):
-        y, context = handle.forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down)
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        buffer = torch.empty(handle.saved_context_bytes(), dtype=torch.uint8, device=x.device)
+        context = handle.forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer)
         ctx.handle, ctx.context = handle, context
-        ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down)
+        ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down, buffer)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, topk_idx, topk_weights, w_gate, w_up, w_down = ctx.saved_tensors
-        dx, dw, dg, du, dd = ctx.handle.backward(ctx.context, dy.contiguous(), x, topk_idx,
-                                                 topk_weights, w_gate, w_up, w_down)
+        x, topk_idx, topk_weights, w_gate, w_up, w_down, buffer = ctx.saved_tensors
+        dx, dw, dg, du, dd = ctx.handle.backward(ctx.context, buffer, dy.contiguous(), x,
+                                                 topk_idx, topk_weights, w_gate, w_up, w_down)
         return None, dx, None, dw, dg, du, dd
 
 
@@ -189,14 +191,16 @@ class MoELayer(nn.Module):
     same number of times (each call is collective); T may differ per rank, up to
     max_tokens_per_rank.
 
-    backward=True (default): the layer can train. It gets a handle of its own whose memory
-    includes what EPFlow's GPU backward needs (allocated here; Handle.memory() lists it), and
-    with gradients enabled its forward keeps a context that autograd's backward uses: call the
-    backward of a forward before the layer's next forward (a later forward makes the earlier
-    context stale, and its backward fails with an error saying so; activation checkpointing
-    that re-runs the forward before its backward is fine). backward=False: inference only;
-    layers of the same shape on the same group share one handle. Calls are stream-ordered: run
-    a layer's calls on one stream.
+    Layers of the same shape on the same group share one handle: one NCCL communicator and one
+    set of EPFlow buffers (Handle.memory()), so an extra layer costs its parameters. Their calls
+    are ordered by the stream they run on: run them on one stream.
+
+    backward=True (default): the layer can train (its handle has the backward's buffers). With
+    gradients enabled, each forward keeps a context of Handle.saved_context_bytes() bytes from
+    PyTorch's allocator, freed with the autograd graph: any number of forwards may be in flight
+    (micro-batches, pipeline schedules) and their backwards may run in any order; activation
+    checkpointing composes. A context serves one backward (backward(retain_graph=True) twice is
+    refused). backward=False: inference only.
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *,
@@ -206,8 +210,7 @@ class MoELayer(nn.Module):
         self._key, handle = create_handle(
             hidden, intermediate, num_experts, top_k, max_tokens_per_rank, group=group,
             device=device, timeout_seconds=timeout_seconds, comm_sms=comm_sms,
-            minibatch_rows=minibatch_rows, ring_rows=ring_rows, with_backward=backward,
-            unique=backward)
+            minibatch_rows=minibatch_rows, ring_rows=ring_rows, with_backward=backward)
         self._handle_id = int(handle.id())
         self._backward = bool(backward)
         dev = torch.device("cuda", int(handle.device()))

@@ -37,8 +37,9 @@ Status validate(const LayerConfig& c, const SavedContext& saved, const BackwardA
   EPFLOW_RETURN_IF_ERROR(validate(c));
   EPFLOW_RETURN_IF_ERROR(require(c.with_backward,
                                  "backward() needs a layer created with LayerConfig::with_backward"));
-  EPFLOW_RETURN_IF_ERROR(
-      require(saved.generation != 0, "saved context was never filled by forward()"));
+  EPFLOW_RETURN_IF_ERROR(require(saved.layer_id != 0 && saved.consumed != nullptr,
+                                 "saved context was never filled by forward()"));
+  EPFLOW_RETURN_IF_ERROR(require(saved.buffer != nullptr, "saved context has no buffer"));
   if (saved.num_tokens > 0) {
     EPFLOW_RETURN_IF_ERROR(require(a.dy != nullptr, "dy is null"));
     EPFLOW_RETURN_IF_ERROR(require(a.dx != nullptr, "dx is null"));
@@ -73,6 +74,7 @@ Status Layer::backward(const BackwardArgs& args, const SavedContext& saved, cuda
 
 const LayerConfig& Layer::config() const { return impl_->core->config(); }
 MemoryReport Layer::memory() const { return impl_->core->memory(); }
+int64_t Layer::saved_context_bytes() const { return impl_->core->saved_context_bytes(); }
 Status Layer::check_routing() { return impl_->core->check_routing(); }
 Status Layer::device_failure() const { return impl_->core->device_failure(); }
 

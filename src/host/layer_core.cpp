@@ -2,6 +2,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+#include <memory>
 #include <utility>
 
 #include "common/status_util.h"
@@ -32,9 +35,13 @@ Status LayerCore::create(const LayerConfig& config, ncclComm_t comm,
     return invalid_argument("communicator is rank ", comm_rank, " of ", comm_size,
                             " but config says ep_rank ", config.ep_rank, " of ep_size ",
                             config.ep_size);
+  static std::atomic<uint64_t> next_id{1};
   std::unique_ptr<LayerCore> core(new LayerCore());
+  core->id_ = next_id.fetch_add(1);
   EPFLOW_RETURN_IF_ERROR(Workspace::create(config, comm, &core->ws_));
-  EPFLOW_RETURN_IF_ERROR(SavedActivations::create(*core->ws_, &core->acts_));
+  EPFLOW_CUDA_RETURN(cudaMalloc(&core->inference_buffer_,
+                                SavedActivations::bytes(*core->ws_, /*with_gate_up=*/false)));
+  core->inference_acts_ = SavedActivations::carve(*core->ws_, core->inference_buffer_, false);
   core->forward_ = std::make_unique<FusedForward>();
   core->backward_ = std::make_unique<FusedBackward>(core->ws_->plan.backward_comm_sms);
   *out = std::move(core);
@@ -45,10 +52,11 @@ LayerCore::~LayerCore() {
   // After a timed-out wait the CUDA context is dead: leave its memory alone (the process must
   // exit); the workspace keeps its own.
   if (ws_ && !ws_->device_failure().ok()) {
-    (void)acts_.release();
     (void)forward_.release();
     (void)backward_.release();
+    return;
   }
+  if (inference_buffer_) cudaFree(inference_buffer_);
 }
 
 std::vector<const char*> LayerCore::forward_stage_names() {
@@ -64,7 +72,6 @@ std::vector<const char*> LayerCore::backward_stage_names() const {
 
 void LayerCore::set_forward_executor(std::unique_ptr<ForwardExecutor> executor) {
   forward_ = std::move(executor);
-  kept_generation_ = 0;  // what the last forward kept may not be what the new one would
 }
 
 void LayerCore::set_backward_executor(std::unique_ptr<BackwardExecutor> executor) {
@@ -81,9 +88,12 @@ Status LayerCore::set_backward_comm_sms(int32_t comm_sms) {
 
 MemoryReport LayerCore::memory() const {
   MemoryReport m = ws_->memory;
-  m.schedule_bytes += acts_->schedule_bytes;
-  m.saved_bytes = acts_->gate_up_bytes;
+  m.schedule_bytes += SavedActivations::bytes(*ws_, /*with_gate_up=*/false);
   return m;
+}
+
+int64_t LayerCore::saved_context_bytes() const {
+  return SavedActivations::bytes(*ws_, /*with_gate_up=*/true);
 }
 
 Status LayerCore::with_device_failure(Status s) const {
@@ -104,9 +114,19 @@ Status LayerCore::earlier_failure() const {
 Status LayerCore::forward(const ForwardArgs& args, cudaStream_t stream, SavedContext* saved,
                           PassHooks* hooks) {
   EPFLOW_RETURN_IF_ERROR(validate(config(), args));
-  if (saved && !config().with_backward)
-    return invalid_argument("forward() with a SavedContext needs a layer created with "
-                            "LayerConfig::with_backward (it keeps g | u for the backward)");
+  if (saved) {
+    if (!config().with_backward)
+      return invalid_argument("forward() with a SavedContext needs a layer created with "
+                              "LayerConfig::with_backward (it has the backward's buffers)");
+    const int64_t need = saved_context_bytes();
+    if (saved->buffer == nullptr || saved->buffer_bytes < need)
+      return invalid_argument("SavedContext::buffer must be device memory of at least ", need,
+                              " bytes (Layer::saved_context_bytes()), got ", saved->buffer_bytes,
+                              saved->buffer ? "" : " (null)");
+    if (reinterpret_cast<uintptr_t>(saved->buffer) % SavedActivations::kAlignment != 0)
+      return invalid_argument("SavedContext::buffer must be ", SavedActivations::kAlignment,
+                              "-byte aligned");
+  }
   EPFLOW_RETURN_IF_ERROR(with_device_failure(run_forward(args, stream, saved, hooks)));
   return ws_->routing_report();
 }
@@ -114,14 +134,14 @@ Status LayerCore::forward(const ForwardArgs& args, cudaStream_t stream, SavedCon
 Status LayerCore::backward(const BackwardArgs& args, const SavedContext& saved,
                            cudaStream_t stream, PassHooks* hooks) {
   EPFLOW_RETURN_IF_ERROR(validate(config(), saved, args));
-  if (saved.generation != generation_)
-    return invalid_argument("saved context of forward call ", saved.generation,
-                            " is stale: forward has run since (call ", generation_, ")");
-  if (kept_generation_ != saved.generation)
-    return error_status(StatusCode::kNotImplemented,
-                        "the forward of this context did not keep what the backward reads (its "
-                        "executor keeps no gate/up pre-activations)");
+  if (saved.layer_id != id_)
+    return invalid_argument("saved context was filled by another layer (forward call ",
+                            saved.call, " of layer ", saved.layer_id, "; this is layer ", id_, ")");
+  if (*saved.consumed)
+    return invalid_argument("saved context of forward call ", saved.call,
+                            " was already used by a backward (a context serves one backward)");
   EPFLOW_RETURN_IF_ERROR(with_device_failure(run_backward(args, saved, stream, hooks)));
+  *saved.consumed = true;
   return ws_->routing_report();
 }
 
@@ -143,33 +163,33 @@ Status LayerCore::run_forward(const ForwardArgs& a, cudaStream_t stream, SavedCo
                                        sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
                                        stream));
   }
+  SavedActivations acts = saved ? SavedActivations::carve(*ws_, saved->buffer, true)
+                                : inference_acts_;
   EPFLOW_RETURN_IF_ERROR(ws_->publish_barrier(T, stream));
-  EPFLOW_RETURN_IF_ERROR(acts_->build_schedule(*ws_, stream));
+  EPFLOW_RETURN_IF_ERROR(acts.build_schedule(*ws_, stream));
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
-  EPFLOW_RETURN_IF_ERROR(forward_->run(*ws_, *acts_, a.weights, saved != nullptr, stream, hooks));
+  EPFLOW_RETURN_IF_ERROR(forward_->run(*ws_, acts, a.weights, saved != nullptr, stream, hooks));
   EPFLOW_RETURN_IF_ERROR(
       ws_->barrier_and_sum(T, a.topk_idx, a.topk_weights, true, a.y, stream));
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
 
-  ++generation_;
+  ++calls_;
   if (saved) {
-    *saved = SavedContext{};
-    saved->generation = generation_;
+    saved->layer_id = id_;
+    saved->call = calls_;
     saved->num_tokens = T;
     saved->x = a.x;
     saved->topk_idx = a.topk_idx;
     saved->topk_weights = a.topk_weights;
     saved->weights = a.weights;
-    kept_generation_ = generation_;
+    saved->consumed = std::make_shared<bool>(false);
   }
   return Status::ok_status();
 }
 
-// Stages: the router weights and dy into this rank's window and the barrier that publishes them
-// | the executor's | the barrier and each owner's sum of its dx rows over k. The forward's
-// schedule is still the layer's (no forward ran since: the generation check), and peers' windows
-// still hold that forward's x (a peer's next forward overwrites it only after this backward's
-// last barrier, which follows every pull).
+// Stages: this rank's x (again: later forwards may have replaced it), the router weights and dy
+// into its window and the barrier that publishes them | the executor's, on the forward's
+// schedule and g | u from the context | the barrier and each owner's sum of its dx rows over k.
 Status LayerCore::run_backward(const BackwardArgs& a, const SavedContext& saved,
                                cudaStream_t stream, PassHooks* hooks) {
   const LayerConfig& c = config();
@@ -179,6 +199,8 @@ Status LayerCore::run_backward(const BackwardArgs& a, const SavedContext& saved,
   char* mine = ws_->local_window();
   const kernels::WindowLayout& l = ws_->layout;
   if (T > 0) {
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + l.x, saved.x, sizeof(__nv_bfloat16) * T * c.hidden,
+                                       cudaMemcpyDeviceToDevice, stream));
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + l.topk_weights, saved.topk_weights,
                                        sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
                                        stream));
@@ -189,7 +211,8 @@ Status LayerCore::run_backward(const BackwardArgs& a, const SavedContext& saved,
   }
   EPFLOW_RETURN_IF_ERROR(ws_->publish_barrier(T, stream));
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
-  EPFLOW_RETURN_IF_ERROR(backward_->run(*ws_, *acts_, saved.weights, a, stream, hooks));
+  const SavedActivations acts = SavedActivations::carve(*ws_, saved.buffer, true);
+  EPFLOW_RETURN_IF_ERROR(backward_->run(*ws_, acts, saved.weights, a, stream, hooks));
   // Unweighted sums (the dx rows arrive weighted), and no routing check: the forward of this
   // context checked the same ids.
   EPFLOW_RETURN_IF_ERROR(ws_->barrier_and_sum(T, saved.topk_idx, nullptr, false, a.dx, stream));

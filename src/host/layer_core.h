@@ -1,6 +1,7 @@
-// The layer as the library runs it: a workspace, the activations a forward keeps, and the two
-// pass executors, with the steps every executor shares around its expert phase (inputs into the
-// window, barriers, schedule, weighted sums). The public Layer is a thin handle over it; the
+// The layer as the library runs it: a workspace, the schedule buffer of inference forwards (a
+// training forward keeps its own in its SavedContext), and the two pass executors, with the
+// steps every executor shares around its expert phase (inputs into the window, barriers,
+// schedule, weighted sums). The public Layer is a thin handle over it; the
 // benchmark and the tests use it directly to pass hooks, swap executors or set internal knobs.
 #pragma once
 
@@ -46,9 +47,9 @@ class LayerCore {
 
   Workspace& workspace() { return *ws_; }
   const Workspace& workspace() const { return *ws_; }
-  SavedActivations& activations() { return *acts_; }
   const LayerConfig& config() const { return ws_->config; }
   MemoryReport memory() const;
+  int64_t saved_context_bytes() const;
   Status check_routing() { return ws_->routing_report(); }
   Status device_failure() const { return ws_->device_failure(); }
   // s (an error of the layer's stream) with the timed-out wait behind it, if any.
@@ -63,13 +64,12 @@ class LayerCore {
                       PassHooks* hooks);
 
   std::unique_ptr<Workspace> ws_;
-  std::unique_ptr<SavedActivations> acts_;
+  void* inference_buffer_ = nullptr;  // the schedule of forwards that keep nothing
+  SavedActivations inference_acts_;
   std::unique_ptr<ForwardExecutor> forward_;
   std::unique_ptr<BackwardExecutor> backward_;
-  // Forward calls so far; the call whose activations acts_ holds (0: none) — every forward
-  // replaces the schedule and this rank's x in its window, which a context's backward reuses.
-  uint64_t generation_ = 0;
-  uint64_t kept_generation_ = 0;
+  uint64_t id_ = 0;     // unique in the process: which layer filled a SavedContext
+  uint64_t calls_ = 0;  // forward calls so far
 };
 
 }  // namespace epflow

@@ -7,27 +7,34 @@
 
 namespace epflow {
 
-Status SavedActivations::create(const Workspace& ws, std::unique_ptr<SavedActivations>* out) {
-  std::unique_ptr<SavedActivations> acts(new SavedActivations());
-  const size_t bytes = kernels::routing_schedule_workspace_bytes(ws.schedule);
-  EPFLOW_CUDA_RETURN(cudaMalloc(&acts->schedule_buffers_, bytes));
-  acts->schedule = kernels::carve_schedule_buffers(ws.schedule, acts->schedule_buffers_);
-  acts->schedule_bytes = static_cast<int64_t>(bytes);
-  if (ws.config.with_backward) {
-    const size_t gu_bytes = sizeof(__nv_bfloat16) * ws.max_rows * 2 * ws.config.intermediate;
-    EPFLOW_CUDA_RETURN(cudaMalloc(&acts->gate_up, gu_bytes));
-    acts->gate_up_bytes = static_cast<int64_t>(gu_bytes);
-  }
-  *out = std::move(acts);
-  return Status::ok_status();
+namespace {
+
+int64_t aligned(int64_t bytes) {
+  return (bytes + SavedActivations::kAlignment - 1) / SavedActivations::kAlignment *
+         SavedActivations::kAlignment;
 }
 
-SavedActivations::~SavedActivations() {
-  if (schedule_buffers_) cudaFree(schedule_buffers_);
-  if (gate_up) cudaFree(gate_up);
+}  // namespace
+
+int64_t SavedActivations::schedule_bytes(const Workspace& ws) {
+  return aligned(static_cast<int64_t>(kernels::routing_schedule_workspace_bytes(ws.schedule)));
 }
 
-Status SavedActivations::build_schedule(const Workspace& ws, cudaStream_t stream) {
+int64_t SavedActivations::bytes(const Workspace& ws, bool with_gate_up) {
+  const int64_t gate_up = sizeof(__nv_bfloat16) * ws.max_rows * 2 * ws.config.intermediate;
+  return schedule_bytes(ws) + (with_gate_up ? aligned(gate_up) : 0);
+}
+
+SavedActivations SavedActivations::carve(const Workspace& ws, void* buffer, bool with_gate_up) {
+  SavedActivations acts;
+  acts.schedule = kernels::carve_schedule_buffers(ws.schedule, buffer);
+  if (with_gate_up)
+    acts.gate_up =
+        reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(buffer) + schedule_bytes(ws));
+  return acts;
+}
+
+Status SavedActivations::build_schedule(const Workspace& ws, cudaStream_t stream) const {
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(schedule.invalid_slots, 0, sizeof(int32_t), stream));
   EPFLOW_CUDA_RETURN(kernels::launch_routing_schedule(ws.schedule, ws.peer_topk_idx, ws.tokens,
                                                       schedule, stream));

@@ -3,6 +3,8 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <memory>
+
 #include <string>
 
 #include "epflow/epflow.h"
@@ -136,8 +138,18 @@ TEST(BackwardArgsValidate, RejectsUnfilledContext) {
 TEST(BackwardArgsValidate, NeedsALayerCreatedForTheBackward) {
   const LayerConfig c = deepseek_v3_ep2();  // with_backward = false
   SavedContext saved;
-  saved.generation = 1;
+  saved.layer_id = 1;
+  saved.consumed = std::make_shared<bool>(false);
   expect_invalid(validate(c, saved, BackwardArgs{}), "with_backward");
+}
+
+TEST(BackwardArgsValidate, RejectsAContextWithoutItsBuffer) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.with_backward = true;
+  SavedContext saved;
+  saved.layer_id = 1;
+  saved.consumed = std::make_shared<bool>(false);
+  expect_invalid(validate(c, saved, BackwardArgs{}), "no buffer");
 }
 
 TEST(NcclVersion, HeadersMatchLoadedLibrary) {

@@ -181,8 +181,10 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
       EPFLOW_TRY_CUDA(cudaMalloc(&w[i], b.size() * 2));
       EPFLOW_TRY_CUDA(cudaMemcpy(w[i], b.data(), b.size() * 2, cudaMemcpyHostToDevice));
     }
-    Poisoned x, y, idx, tw, d_y, dx, dtw, dgate, dup, ddown;
+    Poisoned x, y, idx, tw, d_y, dx, dtw, dgate, dup, ddown, context;
     const size_t g = options.dtype == GradDType::kFP32 ? 4 : 2;
+    // The contexts' memory, NaN-filled like the outputs: nothing may read what no forward wrote.
+    if (Status s = context.create(layer->saved_context_bytes(), 1); !s.ok()) return s;
     for (auto [buf, n, bytes] : {std::tuple{&x, T * H, size_t{2}}, {&y, T * H, size_t{2}},
                                  {&idx, T * K, size_t{4}}, {&tw, T * K, size_t{4}},
                                  {&d_y, T * H, size_t{2}}, {&dx, T * H, size_t{2}},
@@ -203,8 +205,14 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     f.topk_weights = static_cast<float*>(tw.ptr);
     f.weights = {w[0], w[1], w[2]};
     f.y = static_cast<__nv_bfloat16*>(y.ptr);
+    // A context serves one backward: each backward below has a forward of its own.
+    const auto forward = [&](SavedContext* saved, cudaStream_t stream) {
+      *saved = SavedContext{};
+      saved->buffer = context.ptr;
+      saved->buffer_bytes = context.count;
+      return layer->forward(f, stream, saved);
+    };
     SavedContext saved;
-    if (Status s = layer->forward(f, nullptr, &saved); !s.ok()) return s;
     BackwardArgs b;
     b.dy = static_cast<__nv_bfloat16*>(d_y.ptr);
     b.dx = static_cast<__nv_bfloat16*>(dx.ptr);
@@ -216,6 +224,7 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     for (int call = 0; call < options.backward_calls; ++call) {
       // Accumulating: the first call writes (over the poison), later calls add.
       b.accumulate_weight_grads = call > 0;
+      if (Status s = forward(&saved, nullptr); !s.ok()) return s;
       if (Status s = layer->backward(b, saved, nullptr); !s.ok()) return s;
     }
     const cudaError_t e = cudaDeviceSynchronize();
@@ -257,7 +266,7 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
         EPFLOW_TRY_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
         EPFLOW_TRY_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
         SavedContext again;
-        Status s = layer->forward(f, stream, &again);
+        Status s = forward(&again, stream);
         if (s.ok()) s = layer->backward(b, again, stream);
         const cudaError_t end = cudaStreamEndCapture(stream, &graph);
         if (!s.ok()) return s;
@@ -269,6 +278,7 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
         cudaGraphDestroy(graph);
         cudaStreamDestroy(stream);
       } else {
+        if (Status s = forward(&saved, nullptr); !s.ok()) return s;
         if (Status s = layer->backward(b, saved, nullptr); !s.ok()) return s;
         EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
       }
@@ -627,18 +637,207 @@ TEST(LayerBackwardGpu, DeepSeekV3ShapeEp2) {
   deepseek_v3(2);
 }
 
+// Contexts in flight: several layers (experts of their own) and micro-batches, run in a
+// schedule's order, a context per (layer, micro-batch) forward; every y, dx, d topk_weights and
+// fp32 weight gradient against the reference of that layer and micro-batch alone. Inputs are
+// independent per (layer, micro-batch): what is checked is that a backward reads its own forward's
+// state, whatever ran in between.
+enum class StepKind { kForward, kInference, kBackward };
+struct Step {
+  StepKind kind;
+  int layer;
+  int mb;
+};
+
+void run_schedule(const LayerConfig& c, int layers, const std::vector<CallInputs>& mbs,
+                  const std::vector<Step>& steps) {
+  const int world = c.ep_size, n_mb = static_cast<int>(mbs.size());
+  std::vector<std::vector<reference::RankExperts>> experts;
+  for (int l = 0; l < layers; ++l) experts.push_back(testing::make_bf16_experts(c, 50 + l));
+  std::vector<std::vector<std::vector<float>>> dy;
+  for (int m = 0; m < n_mb; ++m) dy.push_back(make_dy(c, mbs[m], 60 + m));
+  // got[l][m][rank]
+  std::vector<std::vector<RankGrads>> got(layers, std::vector<RankGrads>(n_mb, RankGrads(world)));
+  std::vector<std::vector<std::vector<std::vector<float>>>> got_y(
+      layers, std::vector<std::vector<std::vector<float>>>(
+                  n_mb, std::vector<std::vector<float>>(world)));
+  const Status s = run_on_local_gpus(world, [&](int rank, ncclComm_t comm) -> Status {
+    LayerConfig rc = c;
+    rc.ep_rank = rank;
+    const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
+    struct PerLayer {
+      std::unique_ptr<LayerCore> core;
+      Poisoned w[3];
+    };
+    struct PerCall {
+      Poisoned x, y, idx, tw, d_y, dx, dtw, dgate, dup, ddown, context;
+      ForwardArgs f;
+      BackwardArgs b;
+      SavedContext saved;
+    };
+    std::vector<PerLayer> L(layers);
+    std::vector<std::vector<PerCall>> calls(layers);
+    // A communicator per layer, as layers with workspaces of their own have today.
+    std::vector<ncclComm_t> comms(layers, comm);
+    for (int l = 1; l < layers; ++l)
+      if (ncclCommSplit(comm, 0, rank, &comms[l], nullptr) != ncclSuccess)
+        return Status(StatusCode::kNcclError, "ncclCommSplit");
+    struct Destroy {
+      std::vector<ncclComm_t>* comms;
+      std::vector<PerLayer>* layers;
+      ~Destroy() {
+        layers->clear();  // windows before their communicators
+        for (size_t l = 1; l < comms->size(); ++l) ncclCommDestroy((*comms)[l]);
+      }
+    } destroy{&comms, &L};
+    for (int l = 0; l < layers; ++l) {
+      if (Status e = LayerCore::create(rc, comms[l], &L[l].core); !e.ok()) return e;
+      const std::vector<float>* host_w[3] = {&experts[l][rank].gate, &experts[l][rank].up,
+                                             &experts[l][rank].down};
+      for (int i = 0; i < 3; ++i) {
+        const auto b = to_bf16_on_every_core(*host_w[i]);
+        if (Status e = L[l].w[i].create(static_cast<int64_t>(b.size()), 2); !e.ok()) return e;
+        EPFLOW_TRY_CUDA(cudaMemcpy(L[l].w[i].ptr, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+      }
+      calls[l] = std::vector<PerCall>(n_mb);
+      for (int m = 0; m < n_mb; ++m) {
+        PerCall& pc = calls[l][m];
+        const reference::RankInput& in = mbs[m][rank];
+        const int64_t T = in.num_tokens;
+        for (auto [buf, n, bytes] :
+             {std::tuple{&pc.x, T * H, size_t{2}}, {&pc.y, T * H, size_t{2}},
+              {&pc.idx, T * K, size_t{4}}, {&pc.tw, T * K, size_t{4}}, {&pc.d_y, T * H, size_t{2}},
+              {&pc.dx, T * H, size_t{2}}, {&pc.dtw, T * K, size_t{4}},
+              {&pc.dgate, E * I * H, size_t{4}}, {&pc.dup, E * I * H, size_t{4}},
+              {&pc.ddown, E * H * I, size_t{4}},
+              {&pc.context, L[l].core->saved_context_bytes(), size_t{1}}})
+          if (Status e = buf->create(n, bytes); !e.ok()) return e;
+        const auto xb = testing::to_bf16(in.x), dyb = testing::to_bf16(dy[m][rank]);
+        EPFLOW_TRY_CUDA(cudaMemcpy(pc.x.ptr, xb.data(), T * H * 2, cudaMemcpyHostToDevice));
+        EPFLOW_TRY_CUDA(cudaMemcpy(pc.d_y.ptr, dyb.data(), T * H * 2, cudaMemcpyHostToDevice));
+        EPFLOW_TRY_CUDA(
+            cudaMemcpy(pc.idx.ptr, in.topk_idx.data(), T * K * 4, cudaMemcpyHostToDevice));
+        EPFLOW_TRY_CUDA(
+            cudaMemcpy(pc.tw.ptr, in.topk_weights.data(), T * K * 4, cudaMemcpyHostToDevice));
+        pc.f.num_tokens = T;
+        pc.f.x = static_cast<__nv_bfloat16*>(pc.x.ptr);
+        pc.f.topk_idx = static_cast<int32_t*>(pc.idx.ptr);
+        pc.f.topk_weights = static_cast<float*>(pc.tw.ptr);
+        pc.f.weights = {static_cast<__nv_bfloat16*>(L[l].w[0].ptr),
+                        static_cast<__nv_bfloat16*>(L[l].w[1].ptr),
+                        static_cast<__nv_bfloat16*>(L[l].w[2].ptr)};
+        pc.f.y = static_cast<__nv_bfloat16*>(pc.y.ptr);
+        pc.b.dy = static_cast<__nv_bfloat16*>(pc.d_y.ptr);
+        pc.b.dx = static_cast<__nv_bfloat16*>(pc.dx.ptr);
+        pc.b.d_topk_weights = static_cast<float*>(pc.dtw.ptr);
+        pc.b.d_gate = pc.dgate.ptr;
+        pc.b.d_up = pc.dup.ptr;
+        pc.b.d_down = pc.ddown.ptr;
+        pc.b.grad_dtype = GradDType::kFP32;
+        pc.saved.buffer = pc.context.ptr;
+        pc.saved.buffer_bytes = pc.context.count;
+      }
+    }
+    Poisoned scratch_y;  // an inference forward's output, not checked
+    int64_t T_max = 0;
+    for (const CallInputs& mb : mbs) T_max = std::max(T_max, mb[rank].num_tokens);
+    if (Status e = scratch_y.create(T_max * H, 2); !e.ok()) return e;
+    for (const Step& step : steps) {
+      PerCall& pc = calls[step.layer][step.mb];
+      LayerCore& layer = *L[step.layer].core;
+      Status e;
+      if (step.kind == StepKind::kForward) {
+        e = layer.forward(pc.f, nullptr, &pc.saved);
+      } else if (step.kind == StepKind::kInference) {
+        ForwardArgs f = pc.f;
+        f.y = static_cast<__nv_bfloat16*>(scratch_y.ptr);
+        e = layer.forward(f, nullptr, nullptr);
+      } else {
+        e = layer.backward(pc.b, pc.saved, nullptr);
+      }
+      if (!e.ok()) return e;
+    }
+    const cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess)
+      return L[0].core->with_device_failure(
+          Status(StatusCode::kCudaError, cudaGetErrorString(err)));
+    for (int l = 0; l < layers; ++l)
+      for (int m = 0; m < n_mb; ++m) {
+        PerCall& pc = calls[l][m];
+        reference::RankGrads& out = got[l][m][rank];
+        for (auto [buf, to] : {std::pair{&pc.y, &got_y[l][m][rank]}, {&pc.dx, &out.dx},
+                               {&pc.dtw, &out.d_topk_weights}, {&pc.dgate, &out.d_gate},
+                               {&pc.dup, &out.d_up}, {&pc.ddown, &out.d_down}})
+          if (Status e = buf->fetch(to); !e.ok()) return e;
+      }
+    return Status::ok_status();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  for (int l = 0; l < layers; ++l)
+    for (int m = 0; m < n_mb; ++m) {
+      std::vector<std::vector<float>> want_y;
+      RankGrads want;
+      ASSERT_TRUE(reference::forward(c, mbs[m], experts[l], &want_y).ok());
+      ASSERT_TRUE(reference::backward(c, mbs[m], experts[l], dy[m], &want).ok());
+      for (int r = 0; r < world; ++r) {
+        SCOPED_TRACE(::testing::Message() << "layer " << l << ", micro-batch " << m << ", rank "
+                                          << r);
+        expect_close(got_y[l][m][r], want_y[r], 1.0, 2e-2, "y");
+        expect_close(got[l][m][r].dx, want[r].dx, 1.0, 2e-2, "dx");
+        expect_close(got[l][m][r].d_topk_weights, want[r].d_topk_weights, 1.0, 2e-2,
+                     "d topk_weights");
+        expect_close(got[l][m][r].d_gate, want[r].d_gate, 1.0, 2e-2, "d W_gate");
+        expect_close(got[l][m][r].d_up, want[r].d_up, 1.0, 2e-2, "d W_up");
+        expect_close(got[l][m][r].d_down, want[r].d_down, 1.0, 2e-2, "d W_down");
+      }
+    }
+}
+
+// Forward through three layers, then their backwards in reverse (as a model runs them); and
+// the 1F1B order over two layers and two micro-batches with an inference forward in between.
+void contexts_in_flight(int world) {
+  const LayerConfig c = small_ring_config(world, 400);
+  const CallInputs a = testing::make_call(c, tokens_for(c, 300, 211), Routing::kImbalanced, 70);
+  const CallInputs b = testing::make_call(c, tokens_for(c, 77, 400), Routing::kWithEmptySlots, 71);
+  using K = StepKind;
+  run_schedule(c, 3, {a},
+               {{K::kForward, 0, 0}, {K::kForward, 1, 0}, {K::kForward, 2, 0},
+                {K::kBackward, 2, 0}, {K::kBackward, 1, 0}, {K::kBackward, 0, 0}});
+  run_schedule(c, 2, {a, b},
+               {{K::kForward, 0, 0}, {K::kForward, 1, 0}, {K::kForward, 0, 1},
+                {K::kBackward, 1, 0}, {K::kInference, 0, 0}, {K::kForward, 1, 1},
+                {K::kBackward, 0, 0}, {K::kBackward, 1, 1}, {K::kBackward, 0, 1}});
+}
+
+TEST(LayerBackwardGpu, ContextsInFlightInAnyOrderEp1) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  contexts_in_flight(1);
+}
+
+TEST(LayerBackwardGpu, ContextsInFlightInAnyOrderEp2) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  contexts_in_flight(2);
+}
+
 // One token routed to expert 0 on a small EP=1 layer, its forward and backward arguments over
 // poisoned buffers (dy = x, dx = y).
 struct OneTokenCall {
-  Poisoned w, x, y, idx, tw, grads, dtw;
+  Poisoned w, x, y, idx, tw, grads, dtw, context_buffer;
   ForwardArgs forward;
   BackwardArgs backward;
-  Status create(const LayerConfig& c) {
+  // A context over this call's buffer, not yet filled.
+  SavedContext context() const {
+    SavedContext s;
+    s.buffer = context_buffer.ptr;
+    s.buffer_bytes = context_buffer.count;
+    return s;
+  }
+  Status create(const LayerConfig& c, int64_t context_bytes) {
     const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank();
     for (auto [buf, n, bytes] :
          {std::tuple{&w, 3 * E * I * H, size_t{2}}, {&x, H, size_t{2}}, {&y, H, size_t{2}},
           {&idx, c.top_k, size_t{4}}, {&tw, c.top_k, size_t{4}}, {&grads, 3 * E * I * H, size_t{4}},
-          {&dtw, c.top_k, size_t{4}}})
+          {&dtw, c.top_k, size_t{4}}, {&context_buffer, context_bytes, size_t{1}}})
       if (Status e = buf->create(n, bytes); !e.ok()) return e;
     EPFLOW_TRY_CUDA(cudaMemset(idx.ptr, 0, 4));  // expert 0, then empty (-1) slots
     auto* wp = static_cast<__nv_bfloat16*>(w.ptr);
@@ -659,48 +858,71 @@ struct OneTokenCall {
   }
 };
 
-// A backward the layer must refuse before launching anything: of the unfused forward (the
-// benchmark's comparison, it keeps no g | u: its forward with a context is refused already)
-// or with a context an later forward made stale (it replaced the schedule and the window's x the
-// backward reuses), even one without a context.
-Status refused_backward(bool unfused, bool forward_again, StatusCode want) {
-  const LayerConfig c = small_config(1, 64);
-  return run_on_local_gpus(1, [&](int, ncclComm_t comm) -> Status {
-    std::unique_ptr<LayerCore> layer;
-    if (Status e = LayerCore::create(c, comm, &layer); !e.ok()) return e;
-    if (unfused) {
-      std::unique_ptr<bench::UnfusedForward> forward;
-      if (Status e = bench::UnfusedForward::create(layer->workspace(), &forward); !e.ok())
-        return e;
-      layer->set_forward_executor(std::move(forward));
-    }
-    OneTokenCall call;
-    if (Status e = call.create(c); !e.ok()) return e;
-    SavedContext saved;
-    const Status forward = layer->forward(call.forward, nullptr, &saved);
-    if (unfused)  // refused at the forward already: it cannot keep what the backward reads
-      return forward.code() == want
-                 ? Status::ok_status()
-                 : Status(StatusCode::kInternal, "expected " + std::string(to_string(want)) +
-                                                     " from the forward, got " + forward.to_string());
-    if (!forward.ok()) return forward;
-    if (forward_again)
-      if (Status e = layer->forward(call.forward, nullptr, nullptr); !e.ok()) return e;
-    EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
-    const Status refused = layer->backward(call.backward, saved, nullptr);
-    if (refused.code() != want)
-      return Status(StatusCode::kInternal, "expected " + std::string(to_string(want)) +
-                                               ", got " + refused.to_string());
-    return Status::ok_status();
-  });
-}
-
-TEST(LayerBackwardGpu, RefusesUnfusedOrStaleContexts) {
+// Calls the layer must refuse before launching anything, each with kInvalidArgument unless
+// said: a forward with a SavedContext but no buffer, or one too small; a forward of the unfused
+// executor with a context (kNotImplemented: it keeps no g | u); a context used by a second
+// backward; a context given to another layer's backward.
+TEST(LayerBackwardGpu, RefusesContextsItCannotServe) {
   EPFLOW_SKIP_WITHOUT_GPUS(1);
-  const Status unfused = refused_backward(true, false, StatusCode::kNotImplemented);
-  EXPECT_TRUE(unfused.ok()) << unfused.to_string();
-  const Status stale = refused_backward(false, true, StatusCode::kInvalidArgument);
-  EXPECT_TRUE(stale.ok()) << stale.to_string();
+  const LayerConfig c = small_config(1, 64);
+  const Status s = run_on_local_gpus(1, [&](int rank, ncclComm_t comm) -> Status {
+    std::unique_ptr<LayerCore> layer, other;
+    if (Status e = LayerCore::create(c, comm, &layer); !e.ok()) return e;
+    OneTokenCall call;
+    if (Status e = call.create(c, layer->saved_context_bytes()); !e.ok()) return e;
+    auto expect = [](const Status& got, StatusCode want, const char* what) {
+      return got.code() == want ? Status::ok_status()
+                                : Status(StatusCode::kInternal,
+                                         std::string(what) + ": expected " + to_string(want) +
+                                             ", got " + got.to_string());
+    };
+    SavedContext no_buffer;
+    if (Status e = expect(layer->forward(call.forward, nullptr, &no_buffer),
+                          StatusCode::kInvalidArgument, "a context without a buffer");
+        !e.ok())
+      return e;
+    SavedContext small = call.context();
+    small.buffer_bytes = layer->saved_context_bytes() - 1;
+    if (Status e = expect(layer->forward(call.forward, nullptr, &small),
+                          StatusCode::kInvalidArgument, "a context buffer too small");
+        !e.ok())
+      return e;
+    SavedContext saved = call.context();
+    if (Status e = layer->forward(call.forward, nullptr, &saved); !e.ok()) return e;
+    if (Status e = layer->backward(call.backward, saved, nullptr); !e.ok()) return e;
+    const SavedContext copy = saved;  // copies share the context's state
+    if (Status e = expect(layer->backward(call.backward, copy, nullptr),
+                          StatusCode::kInvalidArgument, "a context used twice");
+        !e.ok())
+      return e;
+    ncclComm_t other_comm = nullptr;
+    if (ncclCommSplit(comm, 0, rank, &other_comm, nullptr) != ncclSuccess)
+      return Status(StatusCode::kNcclError, "ncclCommSplit");
+    Status e = LayerCore::create(c, other_comm, &other);
+    if (e.ok()) {
+      SavedContext mine = call.context();
+      e = layer->forward(call.forward, nullptr, &mine);
+      if (e.ok())
+        e = expect(other->backward(call.backward, mine, nullptr), StatusCode::kInvalidArgument,
+                   "another layer's context");
+    }
+    if (e.ok()) {
+      std::unique_ptr<bench::UnfusedForward> unfused;
+      e = bench::UnfusedForward::create(layer->workspace(), &unfused);
+      if (e.ok()) {
+        layer->set_forward_executor(std::move(unfused));
+        SavedContext again = call.context();
+        e = expect(layer->forward(call.forward, nullptr, &again), StatusCode::kNotImplemented,
+                   "the unfused forward with a context");
+      }
+    }
+    if (cudaDeviceSynchronize() != cudaSuccess && e.ok())
+      e = Status(StatusCode::kCudaError, "cudaDeviceSynchronize");
+    other.reset();
+    ncclCommDestroy(other_comm);
+    return e;
+  });
+  EXPECT_TRUE(s.ok()) << s.to_string();
 }
 
 // Hooks that count the stage boundaries a pass marks and give the megakernel a trace buffer.
@@ -730,7 +952,7 @@ TEST(LayerBackwardGpu, HooksSeeEveryStageAndTheMegakernelTasks) {
     std::unique_ptr<LayerCore> layer;
     if (Status e = LayerCore::create(c, comm, &layer); !e.ok()) return e;
     OneTokenCall call;
-    if (Status e = call.create(c); !e.ok()) return e;
+    if (Status e = call.create(c, layer->saved_context_bytes()); !e.ok()) return e;
     CountingHooks hooks;
     hooks.bytes = sizeof(kernels::MegakernelTraceRecord) * kernels::kTraceRecordsPerCta *
                   layer->workspace().sm_count;
@@ -742,7 +964,7 @@ TEST(LayerBackwardGpu, HooksSeeEveryStageAndTheMegakernelTasks) {
                                                      std::to_string(seen) + " boundaries for " +
                                                      std::to_string(stages) + " stages");
     };
-    SavedContext saved;
+    SavedContext saved = call.context();
     if (Status e = layer->forward(call.forward, nullptr, &saved, &hooks); !e.ok()) return e;
     if (Status e = expect("forward", hooks.boundaries, LayerCore::forward_stage_names().size());
         !e.ok())
@@ -761,6 +983,8 @@ TEST(LayerBackwardGpu, HooksSeeEveryStageAndTheMegakernelTasks) {
     if (Status e = bench::UnfusedBackward::create(layer->workspace(), 0, &unfused); !e.ok())
       return e;
     layer->set_backward_executor(std::move(unfused));
+    saved = call.context();  // a context serves one backward
+    if (Status e = layer->forward(call.forward, nullptr, &saved); !e.ok()) return e;
     hooks.boundaries = 0;
     if (Status e = layer->backward(call.backward, saved, nullptr, &hooks); !e.ok()) return e;
     if (Status e = expect("unfused backward", hooks.boundaries,

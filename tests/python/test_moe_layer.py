@@ -1,8 +1,9 @@
 # EPFlow from PyTorch on the GPU: forward and gradients against a pure-PyTorch
 # reference MoE at EP=1 (and EP=2 through torchrun when two GPUs are present), torch.compile, CUDA
-# graphs (forward, and a compiled training step), the inference op's NotImplementedError, the
-# refusal of a stale context, NaN/Inf through the backward, and outputs filled with NaN before
-# the call written whole (the out= forms). Skipped,
+# graphs (forward, and a compiled training step), the inference op's NotImplementedError,
+# forwards in flight with backwards in any order, shared handles, activation checkpointing, a
+# context used twice refused, NaN/Inf through the backward, and outputs filled with NaN before
+# the call written whole. Skipped,
 # with a message, where there is no CUDA device.
 import os
 import shutil
@@ -191,6 +192,12 @@ def _poisoned_like(t):
     return torch.full_like(t, float("nan"), memory_format=torch.contiguous_format)
 
 
+def _context_buffer(handle):
+    """A training forward's context memory, filled with 0xFF: nothing may read what no forward
+    wrote."""
+    return torch.full((handle.saved_context_bytes(),), 255, dtype=torch.uint8, device="cuda")
+
+
 def test_forward_out_writes_every_element(layer):
     # The op's out= form into a NaN-filled buffer: every element written (a token with no expert
     # gets a zero row), the same bits as the allocating op, the reference's values.
@@ -212,7 +219,7 @@ def test_forward_out_writes_every_element(layer):
 
 @pytest.mark.parametrize("T", [1, 77, T_MAX])
 def test_training_outputs_written_whole(layer, T):
-    # forward_train_out / backward_out into NaN-filled tensors: y, dx, d topk_weights and every
+    # forward_train / backward_out into NaN-filled tensors: y, dx, d topk_weights and every
     # expert's weight gradient written (exact zeros for the expert no row reaches and for a
     # token routed nowhere), each checked per row / expert against the reference.
     x, idx, w = _inputs(T, seed=50 + T)
@@ -223,10 +230,11 @@ def test_training_outputs_written_whole(layer, T):
     dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     handle = epflow._HANDLES[layer._key]
     y = _poisoned_like(x)
+    buffer = _context_buffer(handle)
     grads = [_poisoned_like(t) for t in (x, w) + params]
     with torch.no_grad():
-        context = handle.forward_train_out(x, idx, w, *params, y)
-        handle.backward_out(context, dy, x, idx, w, *params, *grads)
+        context = handle.forward_train(x, idx, w, *params, y, buffer)
+        handle.backward_out(context, buffer, dy, x, idx, w, *params, *grads)
     torch.cuda.synchronize()
     assert torch.isfinite(y).all(), "an element of y was not written"
     assert rel_err(y, reference_moe(x, idx, w, *params)) <= TOL
@@ -247,26 +255,92 @@ def test_outputs_overlapping_inputs_are_refused(layer):
         torch.ops.epflow.moe_forward.out(layer._handle_id, x, idx, w, *params, out=x)
     handle = epflow._HANDLES[layer._key]
     dy = torch.randn(16, H, device="cuda").to(torch.bfloat16)
+    buffer = _context_buffer(handle)
     with torch.no_grad():
-        context = handle.forward_train_out(x, idx, w, *params, _poisoned_like(x))
+        context = handle.forward_train(x, idx, w, *params, _poisoned_like(x), buffer)
         grads = [_poisoned_like(t) for t in (x, w) + params]
         with pytest.raises(RuntimeError, match="output dx overlaps dy"):
-            handle.backward_out(context, dy, x, idx, w, *params, dy, *grads[1:])
+            handle.backward_out(context, buffer, dy, x, idx, w, *params, dy, *grads[1:])
         with pytest.raises(RuntimeError, match="outputs d_w_gate and d_w_up overlap"):
-            handle.backward_out(context, dy, x, idx, w, *params, grads[0], grads[1], grads[2],
-                                grads[2], grads[4])
+            handle.backward_out(context, buffer, dy, x, idx, w, *params, grads[0], grads[1],
+                                grads[2], grads[2], grads[4])
     torch.cuda.synchronize()
 
 
-def test_stale_context_is_refused(layer):
+GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down")
+
+
+def test_forwards_in_flight_backwards_in_any_order(layer):
+    # Micro-batches as pipeline schedules run them: two forwards of the layer, then their
+    # backwards in reverse order, then again in order; each backward's gradients against the
+    # reference of its own micro-batch.
+    params = (layer.w_gate, layer.w_up, layer.w_down)
+    mbs = []
+    for i, T in enumerate((77, T_MAX)):
+        x, idx, w = _inputs(T, seed=60 + i)
+        dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        mbs.append((x.requires_grad_(True), idx, w.requires_grad_(True), dy))
+    for order in ((1, 0), (0, 1)):
+        ys = [layer(x, idx, w) for x, idx, w, _ in mbs]
+        for i in order:
+            x, idx, w, dy = mbs[i]
+            for t in (x, w) + params:
+                t.grad = None
+            (ys[i].float() * dy.float()).sum().backward()
+            torch.cuda.synchronize()
+            want = _reference_grads(x, idx, w, params, dy)
+            got = (x.grad, w.grad) + tuple(p.grad for p in params)
+            for name, g, ref in zip(GRAD_NAMES, got, want):
+                _check_slices(name, g, ref, x.shape[0])
+
+
+def test_a_context_serves_one_backward(layer):
     x, idx, w = _inputs(16, seed=20)
     x.requires_grad_(True)
-    y1 = layer(x, idx, w)
-    y2 = layer(x, idx, w)  # a later forward of the same layer: y1's context is stale
-    y2.float().sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="stale"):
-        y1.float().sum().backward()
+    y = layer(x, idx, w)
+    y.float().sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already used by a backward"):
+        y.float().sum().backward()
     torch.cuda.synchronize()
+
+
+def test_layers_of_one_shape_share_a_handle_and_train_as_a_stack():
+    # Two layers of the same shape share one handle (one communicator, one set of buffers); a
+    # stack of them trains like the reference stack.
+    torch.manual_seed(3)
+    a = epflow.MoELayer(H, I, E, K, T_MAX)
+    b = epflow.MoELayer(H, I, E, K, T_MAX)
+    assert a._handle_id == b._handle_id
+    x, idx, w = _inputs(64, seed=70)
+    x.requires_grad_(True)
+    dy = torch.randn(64, H, device="cuda").to(torch.bfloat16)
+    y = b(a(x, idx, w), idx, w)
+    (y.float() * dy.float()).sum().backward()
+    torch.cuda.synchronize()
+    pa, pb = (a.w_gate, a.w_up, a.w_down), (b.w_gate, b.w_up, b.w_down)
+    leaves = [t.detach().float().requires_grad_(True) for t in (x,) + pa + pb]
+    ref = reference_moe(reference_moe(leaves[0], idx, w, *leaves[1:4]), idx, w, *leaves[4:])
+    (ref * dy.float()).sum().backward()
+    for name, got, want in zip(("x", "a.w_gate", "a.w_up", "a.w_down", "b.w_gate", "b.w_up",
+                                "b.w_down"), (x.grad,) + tuple(p.grad for p in pa + pb),
+                               [t.grad for t in leaves]):
+        err = rel_err(got, want)
+        assert err <= TOL, f"{name}: rel err {err:.3e}"
+
+
+def test_activation_checkpointing(layer):
+    # Checkpointed (non-reentrant and reentrant): the forward's context is dropped and
+    # recomputed in the backward; the gradients are the plain run's, bitwise.
+    from torch.utils.checkpoint import checkpoint
+    x, idx, w = _inputs(100, seed=80)
+    dy = torch.randn(100, H, device="cuda").to(torch.bfloat16)
+    _, plain = _train_grads(layer, layer, x, idx, w, dy)
+    for reentrant in (False, True):
+        def fn(x, idx, w, reentrant=reentrant):
+            return checkpoint(layer, x, idx, w, use_reentrant=reentrant)
+        _, got = _train_grads(fn, layer, x, idx, w, dy)
+        for name, a, b in zip(GRAD_NAMES, got, plain):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} (reentrant={reentrant})")
 
 
 def _train_grads(fn, layer, x, idx, w, dy):
