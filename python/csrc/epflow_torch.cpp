@@ -18,9 +18,10 @@
 //       values: a recomputed copy is fine); bf16 weight gradients (the parameters' dtype), fp32
 //       d_topk_weights. A context serves one backward; a second is refused with an error.
 //     .backward_out(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down,
-//                   dx, d_topk_weights, d_w_gate, d_w_up, d_w_down)
-//       the same, writing into the caller's tensors (each overwritten: weight gradients are not
-//       accumulated into them).
+//                   dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, accumulate)
+//       the same, into the caller's tensors: dx and d_topk_weights overwritten; the weight
+//       gradients (all bf16 or all fp32) overwritten, or added to with accumulate (gradient
+//       accumulation in place, as Megatron-Core's main_grad fusion does).
 //     .memory() -> [symmetric, ring, schedule, backward] bytes the layer holds;
 //     .saved_context_bytes() -> bytes of one forward's context.
 //   torch.classes.epflow.Context: one training forward's context (which layer and call made
@@ -170,7 +171,7 @@ class Handle : public torch::CustomClassHolder {
                     const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                     const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
                     at::Tensor dx, at::Tensor d_topk_weights, at::Tensor d_gate, at::Tensor d_up,
-                    at::Tensor d_down);
+                    at::Tensor d_down, bool accumulate);
 
  private:
   epflow::LayerConfig config_;
@@ -344,7 +345,8 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
                           const at::Tensor& topk_weights,
                           const at::Tensor& w_gate, const at::Tensor& w_up,
                           const at::Tensor& w_down, at::Tensor dx, at::Tensor d_topk_weights,
-                          at::Tensor d_gate, at::Tensor d_up, at::Tensor d_down) {
+                          at::Tensor d_gate, at::Tensor d_up, at::Tensor d_down,
+                          bool accumulate) {
   // The forward's arguments, checked again (they must be the forward's, unchanged).
   ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
   check_tensor(dy, "dy", at::kBFloat16, x.sizes(), call.device);
@@ -355,9 +357,13 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
   check_output(dx, "dx", at::kBFloat16, x.sizes(), call.device, inputs);
   check_output(d_topk_weights, "d_topk_weights", at::kFloat, topk_weights.sizes(), call.device,
                inputs);
-  check_output(d_gate, "d_w_gate", at::kBFloat16, w_gate.sizes(), call.device, inputs);
-  check_output(d_up, "d_w_up", at::kBFloat16, w_up.sizes(), call.device, inputs);
-  check_output(d_down, "d_w_down", at::kBFloat16, w_down.sizes(), call.device, inputs);
+  // Weight gradients in bf16 (the parameters' dtype) or fp32 (a master-gradient buffer).
+  const at::ScalarType grad_type = d_gate.scalar_type();
+  TORCH_CHECK(grad_type == at::kBFloat16 || grad_type == at::kFloat,
+              "epflow: weight gradients must be bfloat16 or float32, got ", grad_type);
+  check_output(d_gate, "d_w_gate", grad_type, w_gate.sizes(), call.device, inputs);
+  check_output(d_up, "d_w_up", grad_type, w_up.sizes(), call.device, inputs);
+  check_output(d_down, "d_w_down", grad_type, w_down.sizes(), call.device, inputs);
   const std::pair<const char*, const at::Tensor*> outs[] = {
       {"dx", &dx}, {"d_topk_weights", &d_topk_weights}, {"d_w_gate", &d_gate},
       {"d_w_up", &d_up}, {"d_w_down", &d_down}};
@@ -386,7 +392,8 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
   b.d_gate = d_gate.data_ptr();
   b.d_up = d_up.data_ptr();
   b.d_down = d_down.data_ptr();
-  b.grad_dtype = epflow::GradDType::kBF16;
+  b.grad_dtype = grad_type == at::kFloat ? epflow::GradDType::kFP32 : epflow::GradDType::kBF16;
+  b.accumulate_weight_grads = accumulate;
   check_status(layer_->backward(b, saved, current_stream(call.device)), "backward");
 }
 
@@ -400,7 +407,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::b
   at::Tensor d_gate = at::empty_like(w_gate, contiguous), d_up = at::empty_like(w_up, contiguous);
   at::Tensor d_down = at::empty_like(w_down, contiguous);
   backward_out(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down, dx,
-               d_topk_weights, d_gate, d_up, d_down);
+               d_topk_weights, d_gate, d_up, d_down, /*accumulate=*/false);
   return {dx, d_topk_weights, d_gate, d_up, d_down};
 }
 

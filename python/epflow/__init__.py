@@ -148,11 +148,22 @@ atexit.register(release_handles)
 
 
 @torch.compiler.disable
-def _train_forward(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down):
+def _train_forward(handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, w_down):
     # NOTES: outside torch.compile's graph (a graph break): the handle is a TorchScript class
     # object that dynamo does not trace through an autograd.Function; the layer's own work is
     # one stream-ordered GPU call either way.
-    return _MoEFunction.apply(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+    return _MoEFunction.apply(handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+
+
+def _grad_buffer(p):
+    """Where grad_accumulation_fusion adds p's gradient: Megatron-Core's main_grad where the
+    parameter has one, else p.grad (created as zeros on the first backward)."""
+    buffer = getattr(p, "main_grad", None)
+    if buffer is None:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        buffer = p.grad
+    return buffer
 
 
 class _MoEFunction(torch.autograd.Function):
@@ -162,20 +173,30 @@ class _MoEFunction(torch.autograd.Function):
     graph, and activation checkpointing drops and recomputes it with the rest."""
 
     @staticmethod
-    def forward(ctx, handle, x, topk_idx, topk_weights, w_gate, w_up, w_down):
+    def forward(ctx, handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, w_down):
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
         buffer = torch.empty(handle.saved_context_bytes(), dtype=torch.uint8, device=x.device)
         context = handle.forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer)
         ctx.handle, ctx.context = handle, context
+        ctx.params = (w_gate, w_up, w_down) if fuse_grads else None
         ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down, buffer)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, topk_idx, topk_weights, w_gate, w_up, w_down, buffer = ctx.saved_tensors
-        dx, dw, dg, du, dd = ctx.handle.backward(ctx.context, buffer, dy.contiguous(), x,
-                                                 topk_idx, topk_weights, w_gate, w_up, w_down)
-        return None, dx, None, dw, dg, du, dd
+        weights = (w_gate, w_up, w_down)
+        if ctx.params is None:
+            dx, dw, dg, du, dd = ctx.handle.backward(ctx.context, buffer, dy.contiguous(), x,
+                                                     topk_idx, topk_weights, *weights)
+            return None, None, dx, None, dw, dg, du, dd
+        # Gradient accumulation fusion: the weight gradients added in place by the kernels.
+        targets = [_grad_buffer(p) for p in ctx.params]
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dw = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)
+        ctx.handle.backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx, topk_weights,
+                                *weights, dx, dw, *targets, True)
+        return None, None, dx, None, dw, None, None, None
 
 
 class MoELayer(nn.Module):
@@ -201,11 +222,17 @@ class MoELayer(nn.Module):
     (micro-batches, pipeline schedules) and their backwards may run in any order; activation
     checkpointing composes. A context serves one backward (backward(retain_graph=True) twice is
     refused). backward=False: inference only.
+
+    grad_accumulation_fusion=True: the backward adds the expert weights' gradients in place, into
+    each parameter's `main_grad` (Megatron-Core's fp32 buffer) where it has one, else into its
+    `.grad` (created as zeros), and gives autograd none for them: no separate pass over every
+    expert weight per micro-batch. Use it with loss.backward(): hooks on the expert weights do
+    not see these gradients and torch.autograd.grad does not return them.
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *,
                  group=None, device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0,
-                 ring_rows=0, backward=True):
+                 ring_rows=0, backward=True, grad_accumulation_fusion=False):
         super().__init__()
         self._key, handle = create_handle(
             hidden, intermediate, num_experts, top_k, max_tokens_per_rank, group=group,
@@ -213,6 +240,7 @@ class MoELayer(nn.Module):
             minibatch_rows=minibatch_rows, ring_rows=ring_rows, with_backward=backward)
         self._handle_id = int(handle.id())
         self._backward = bool(backward)
+        self._fuse_grads = bool(grad_accumulation_fusion)
         dev = torch.device("cuda", int(handle.device()))
         _, _, world, rank = _group_info(group)
         self.hidden, self.intermediate = int(hidden), int(intermediate)
@@ -251,7 +279,7 @@ class MoELayer(nn.Module):
             if handle is None:
                 raise RuntimeError("epflow: this MoELayer's handle was released "
                                    "(epflow.release_handles())")
-            y = _train_forward(handle, x2, idx, w, *params)
+            y = _train_forward(handle, self._fuse_grads, x2, idx, w, *params)
         else:
             y = torch.ops.epflow.moe_forward(self._handle_id, x2, idx, w, *params)
         return y.reshape(*lead, self.hidden)

@@ -234,7 +234,7 @@ def test_training_outputs_written_whole(layer, T):
     grads = [_poisoned_like(t) for t in (x, w) + params]
     with torch.no_grad():
         context = handle.forward_train(x, idx, w, *params, y, buffer)
-        handle.backward_out(context, buffer, dy, x, idx, w, *params, *grads)
+        handle.backward_out(context, buffer, dy, x, idx, w, *params, *grads, False)
     torch.cuda.synchronize()
     assert torch.isfinite(y).all(), "an element of y was not written"
     assert rel_err(y, reference_moe(x, idx, w, *params)) <= TOL
@@ -260,10 +260,10 @@ def test_outputs_overlapping_inputs_are_refused(layer):
         context = handle.forward_train(x, idx, w, *params, _poisoned_like(x), buffer)
         grads = [_poisoned_like(t) for t in (x, w) + params]
         with pytest.raises(RuntimeError, match="output dx overlaps dy"):
-            handle.backward_out(context, buffer, dy, x, idx, w, *params, dy, *grads[1:])
+            handle.backward_out(context, buffer, dy, x, idx, w, *params, dy, *grads[1:], False)
         with pytest.raises(RuntimeError, match="outputs d_w_gate and d_w_up overlap"):
             handle.backward_out(context, buffer, dy, x, idx, w, *params, grads[0], grads[1],
-                                grads[2], grads[2], grads[4])
+                                grads[2], grads[2], grads[4], False)
     torch.cuda.synchronize()
 
 
@@ -341,6 +341,47 @@ def test_activation_checkpointing(layer):
         _, got = _train_grads(fn, layer, x, idx, w, dy)
         for name, a, b in zip(GRAD_NAMES, got, plain):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} (reentrant={reentrant})")
+
+
+def test_grad_accumulation_fusion():
+    # Two micro-batches: the in-place accumulation into .grad (bf16) matches autograd's
+    # accumulation of the plain layer's gradients, and into an fp32 main_grad the sum of the
+    # reference gradients; x and topk_weights get their gradients as usual.
+    torch.manual_seed(5)
+    plain = epflow.MoELayer(H, I, E, K, T_MAX)
+    fused = epflow.MoELayer(H, I, E, K, T_MAX, grad_accumulation_fusion=True)
+    with torch.no_grad():
+        for a, b in zip(fused.parameters(), plain.parameters()):
+            a.copy_(b)
+    params = tuple(fused.parameters())
+    mbs = []
+    for mb in range(2):
+        x, idx, w = _inputs(100, seed=90 + mb)
+        mbs.append((x, idx, w, torch.randn(100, H, device="cuda").to(torch.bfloat16)))
+    for x, idx, w, dy in mbs:
+        dx = []
+        for layer in (plain, fused):
+            xg = x.clone().requires_grad_(True)
+            (layer(xg, idx, w).float() * dy.float()).sum().backward()
+            dx.append(xg.grad)
+        torch.testing.assert_close(dx[1], dx[0], rtol=0, atol=0)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("w_gate", "w_up", "w_down"), params, plain.parameters()):
+        err = rel_err(a.grad, b.grad)
+        assert err <= 1e-2, f"{name}: bf16 .grad accumulated in place, rel err {err:.3e}"
+    for p in params:
+        p.grad = None
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    want = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    for x, idx, w, dy in mbs:
+        (fused(x, idx, w.clone().requires_grad_(True)).float() * dy.float()).sum().backward()
+        for acc, g in zip(want, _reference_grads(x, idx, w, params, dy)[2:]):
+            acc += g
+    torch.cuda.synchronize()
+    for name, p, ref in zip(("w_gate", "w_up", "w_down"), params, want):
+        assert p.grad is None, f"{name}: .grad written while main_grad exists"
+        err = rel_err(p.main_grad, ref)
+        assert err <= TOL, f"{name}: fp32 main_grad, rel err {err:.3e}"
 
 
 def _train_grads(fn, layer, x, idx, w, dy):
