@@ -6,16 +6,20 @@ MoE models learn what only their experts can learn.
 
 One GPU (EP=1), or one process per GPU under torchrun (the experts split over the GPUs):
 
-    python3 examples/train_moe.py [--steps 600]
+    python3 examples/train_moe.py [--steps 600] [--blocks 2 --micro-batches 2]
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --standalone --nproc_per_node 2 examples/train_moe.py
 
 `import epflow` must work: pip-installed, or built with -DEPFLOW_BUILD_PYTHON=ON, which copies
 the extension into python/epflow/ (this script puts python/ on sys.path).
 
-The model: out = head(x + MoE(rmsnorm(x))). The MoE sends each token to the top-k experts of a
-linear router's softmax (their weights renormalised to sum 1); an expert is a SwiGLU,
-expert(h) = W_down (silu(W_gate h) * (W_up h)). The experts are split over the ranks (expert
+The model: out = head(x + MoE(rmsnorm(x))), or with --blocks N a stack of N such residual blocks
+(x <- x + MoE_i(rmsnorm_i(x)), each with its own router and experts) before the head. The MoE
+sends each token to the top-k experts of a linear router's softmax (their weights renormalised
+to sum 1); an expert is a SwiGLU, expert(h) = W_down (silu(W_gate h) * (W_up h)). With
+--micro-batches M each step's tokens are split into M micro-batches whose forwards all run
+before their backwards (every MoE layer has M forwards in flight, as in pipeline schedules);
+their gradients accumulate. The experts are split over the ranks (expert
 parallelism); the norm, router and head are replicated and their gradients averaged over the
 ranks (data parallelism), the experts' gradients scaled by 1/world likewise (each rank's loss is
 a mean over its own tokens). Three copies train side by side with AdamW, from the same initial
@@ -38,7 +42,8 @@ PyTorch layer in both MoE slots, one H200, defaults: ~35 s of training there).
 
 Rules (checked at the end; each failure prints "FAILED: rule ..." with its values, exit status 1):
   1 gradients  On the first step the models have the same weights and data. EPFlow's gradient of
-               every expert's gate, up and down weights (this rank's experts, one by one) and of
+               every expert's gate, up and down weights (this rank's experts, one by one, in
+               every block) and of
                the replicated parameters (the router's flows through EPFlow's d topk_weights, the
                norm's through its dx, the head's through its output) must be within 2e-2
                relative error of the PyTorch layer's (GRAD_TOL); an all-zero gradient is an
@@ -179,27 +184,42 @@ class TorchExperts(nn.Module):
                                      self.world)
 
 
-class Model(nn.Module):
-    """out = head(x + experts(rmsnorm(x), routed by router)); experts=None: out = head(x)."""
+class Block(nn.Module):
+    """x + experts(rmsnorm(x), routed by router)."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, experts: nn.Module | None,
+    def __init__(self, hidden: int, num_experts: int, top_k: int, experts: nn.Module,
                  device: torch.device):
         super().__init__()
-        self.head = nn.Linear(hidden, hidden, device=device)
+        self.norm = nn.RMSNorm(hidden, device=device)
+        self.router = nn.Linear(hidden, num_experts, bias=False, device=device)
         self.experts = experts
-        if experts is not None:
-            self.norm = nn.RMSNorm(hidden, device=device)
-            self.router = nn.Linear(hidden, num_experts, bias=False, device=device)
         self.top_k = top_k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.experts is None:
-            return self.head(x)
         h = self.norm(x)
         idx, w = route(h, self.router.weight, self.top_k)
         # int64 expert ids: torch_moe indexes with them; MoELayer converts to its int32 itself.
         y = self.experts(h.to(torch.bfloat16), idx.contiguous(), w.contiguous())
-        return self.head(x + y.float())
+        return x + y.float()
+
+
+class Model(nn.Module):
+    """out = head(blocks(x)): one Block per MoE layer in `experts`; none: out = head(x)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, experts: list,
+                 device: torch.device):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden, num_experts, top_k, e, device) for e in experts)
+        self.head = nn.Linear(hidden, hidden, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def is_expert_parameter(name: str) -> bool:
+    return ".experts." in name
 
 
 def sync_grads(model: nn.Module, world: int) -> None:
@@ -208,7 +228,7 @@ def sync_grads(model: nn.Module, world: int) -> None:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        if not name.startswith("experts."):
+        if not is_expert_parameter(name):
             dist.all_reduce(p.grad)
         p.grad /= world
 
@@ -226,22 +246,27 @@ def rel_err(got: torch.Tensor | None, want: torch.Tensor) -> float:
     return num / den
 
 
-def gradient_errors(g_ep: dict, g_pt: dict, intermediate: int, first_expert: int):
+def gradient_errors(g_ep: dict, g_pt: dict, intermediate: int, first_expert: int,
+                    blocks: int = 1):
     """[(what, relative error, all zeros?)] of the EPFlow model's gradients (parameter name ->
-    gradient) against the PyTorch model's: this rank's experts one by one (EPFlow's w_gate, w_up
-    against the halves of the PyTorch layer's w_gate_up; w_down), then each replicated parameter."""
-    gate_up = g_pt["experts.w_gate_up"]
-    pairs = (("w_gate", g_ep.get("experts.w_gate"), gate_up[:, :intermediate]),
-             ("w_up", g_ep.get("experts.w_up"), gate_up[:, intermediate:]),
-             ("w_down", g_ep.get("experts.w_down"), g_pt["experts.w_down"]))
+    gradient) against the PyTorch model's: each block's experts, this rank's, one by one
+    (EPFlow's w_gate, w_up against the halves of the PyTorch layer's w_gate_up; w_down; named
+    "expert E w_gate", with "block B " in front when there are several blocks), then each
+    replicated parameter."""
     rows = []
-    for name, got, want in pairs:
-        for e in range(want.shape[0]):
-            mine = None if got is None else got[e]
-            rows.append((f"expert {first_expert + e} {name}", rel_err(mine, want[e]),
-                         mine is None or not bool(mine.any())))
+    for b in range(blocks):
+        key, where = f"blocks.{b}.experts.", f"block {b} " if blocks > 1 else ""
+        gate_up = g_pt[key + "w_gate_up"]
+        pairs = (("w_gate", g_ep.get(key + "w_gate"), gate_up[:, :intermediate]),
+                 ("w_up", g_ep.get(key + "w_up"), gate_up[:, intermediate:]),
+                 ("w_down", g_ep.get(key + "w_down"), g_pt[key + "w_down"]))
+        for name, got, want in pairs:
+            for e in range(want.shape[0]):
+                mine = None if got is None else got[e]
+                rows.append((f"{where}expert {first_expert + e} {name}", rel_err(mine, want[e]),
+                             mine is None or not bool(mine.any())))
     for name, want in g_pt.items():
-        if not name.startswith("experts."):
+        if not is_expert_parameter(name):
             got = g_ep.get(name)
             rows.append((name, rel_err(got, want), got is None or not bool(got.any())))
     return rows
@@ -251,7 +276,7 @@ def summarize_gradients(rows, tol: float = GRAD_TOL):
     """(one line with the worst error of each kind, [a line for each gradient over tol])."""
     worst = {}
     for what, err, _ in rows:
-        kind = what.split()[-1] if what.startswith("expert ") else what
+        kind = what.split()[-1] if "expert " in what else what
         if kind not in worst or not err <= worst[kind][1]:
             worst[kind] = (what, err)
     line = ", ".join(f"{kind} {err:.1e}" + (f" ({what.rsplit(' ', 1)[0]})" if what != kind else "")
@@ -264,10 +289,12 @@ def summarize_gradients(rows, tol: float = GRAD_TOL):
 # --- training -----------------------------------------------------------------------------------
 
 def train(models: dict, teacher: Teacher, steps: int, tokens: int, lr: float, world: int,
-          rank: int, device: torch.device, log_every: int = 50, log=print):
-    """Trains every model on the same batches (per rank: seed 1000 + rank). Returns (losses:
-    name -> [per-step loss tensors], first_grads: name -> {parameter: gradient} of step 0 after
-    the data-parallel sync, step_ms: name -> [training step times, ms] (CUDA only))."""
+          rank: int, device: torch.device, log_every: int = 50, log=print, micro_batches: int = 1):
+    """Trains every model on the same batches (per rank: seed 1000 + rank), each step's tokens
+    in `micro_batches` micro-batches: every micro-batch's forward, then their backwards in order
+    (each a 1/micro_batches share of the step's mean loss; the gradients accumulate). Returns
+    (losses: name -> [per-step loss tensors], first_grads: name -> {parameter: gradient} of step
+    0 after the data-parallel sync, step_ms: name -> [training step times, ms] (CUDA only))."""
     opts = {k: torch.optim.AdamW(m.parameters(), lr=lr) for k, m in models.items()}
     losses = {k: [] for k in models}
     events = {k: [] for k in models}
@@ -284,8 +311,12 @@ def train(models: dict, teacher: Teacher, steps: int, tokens: int, lr: float, wo
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
             opts[name].zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(x), target)
-            loss.backward()
+            outs = [model(xm) for xm in x.chunk(micro_batches)]  # every forward in flight
+            parts = [F.mse_loss(out, tgt) / micro_batches
+                     for out, tgt in zip(outs, target.chunk(micro_batches))]
+            for part in parts:
+                part.backward()
+            loss = torch.stack(parts).sum()
             sync_grads(model, world)
             if step == 0:  # rule 1's gradients (step 0 is left out of the timing)
                 first_grads[name] = {n: None if p.grad is None else p.grad.detach().clone()
@@ -343,18 +374,19 @@ def check_rules(grad_failures: list, final: dict, learn_ratio: float = LEARN_RAT
     return failed
 
 
-def build_models(moe: nn.Module, teacher: Teacher, args, world: int, device: torch.device):
-    """The three models from the same initial weights: `moe` (an epflow.MoELayer, or a stand-in
-    with its parameters) in 'epflow', copies of its experts in 'pytorch', no experts in
-    'linear'; routers copied from the teacher's."""
-    torch.manual_seed(1)  # the replicated head and norm: the same on every rank
-    model_ep = Model(args.hidden, args.experts, args.top_k, moe, device)
+def build_models(moes: list, teacher: Teacher, args, world: int, device: torch.device):
+    """The three models from the same initial weights: the MoE layers `moes` (epflow.MoELayer,
+    or stand-ins with their parameters), one per block, in 'epflow', copies of their experts in
+    'pytorch', no blocks in 'linear'; every block's router copied from the teacher's."""
+    torch.manual_seed(1)  # the replicated head and norms: the same on every rank
+    model_ep = Model(args.hidden, args.experts, args.top_k, moes, device)
     with torch.no_grad():
-        model_ep.router.weight.copy_(teacher.router)
+        for block in model_ep.blocks:
+            block.router.weight.copy_(teacher.router)
     model_pt = Model(args.hidden, args.experts, args.top_k,
-                     TorchExperts(moe.w_gate, moe.w_up, moe.w_down, world), device)
-    model_lin = Model(args.hidden, args.experts, args.top_k, None, device)
-    shared = {k: v for k, v in model_ep.state_dict().items() if not k.startswith("experts.")}
+                     [TorchExperts(m.w_gate, m.w_up, m.w_down, world) for m in moes], device)
+    model_lin = Model(args.hidden, args.experts, args.top_k, [], device)
+    shared = {k: v for k, v in model_ep.state_dict().items() if not is_expert_parameter(k)}
     model_pt.load_state_dict(shared, strict=False)
     model_lin.load_state_dict({k: v for k, v in shared.items() if k.startswith("head.")})
     return {"epflow": model_ep, "pytorch": model_pt, "linear": model_lin}
@@ -371,7 +403,14 @@ def parse_args(argv=None):
     ap.add_argument("--teacher-intermediate", type=int, default=16,
                     help="width of the teacher's experts")
     ap.add_argument("--lr", type=float, default=2e-3)
-    return ap.parse_args(argv)
+    ap.add_argument("--blocks", type=int, default=1, help="MoE blocks in the model")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches per step, all forwards in flight before the backwards")
+    args = ap.parse_args(argv)
+    if args.blocks < 1 or args.micro_batches < 1 or args.tokens % args.micro_batches:
+        ap.error(f"--blocks ({args.blocks}) and --micro-batches ({args.micro_batches}) must be "
+                 f">= 1, and --tokens ({args.tokens}) a multiple of --micro-batches")
+    return args
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -389,18 +428,21 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def run(args, moe: nn.Module, teacher: Teacher, rank: int, world: int,
+def run(args, moes: list, teacher: Teacher, rank: int, world: int,
         device: torch.device) -> list:
-    """Trains the three models around `moe` (this rank's epflow.MoELayer), prints the results on
-    rank 0 and returns the rules' failures (the same list on every rank)."""
-    models = build_models(moe, teacher, args, world, device)
+    """Trains the three models around `moes` (this rank's epflow.MoELayer of each block),
+    prints the results on rank 0 and returns the rules' failures (the same list on every
+    rank)."""
+    models = build_models(moes, teacher, args, world, device)
     losses, first_grads, step_ms = train(models, teacher, args.steps, args.tokens, args.lr,
                                          world, rank, device,
-                                         log=lambda s: print(s, flush=True))
+                                         log=lambda s: print(s, flush=True),
+                                         micro_batches=args.micro_batches)
 
     # Rule 1 on this rank's experts and the replicated parameters; every rank's result to all.
+    moe = moes[0]
     rows = gradient_errors(first_grads["epflow"], first_grads["pytorch"], moe.intermediate,
-                           moe.ep_rank * moe.experts_per_rank)
+                           moe.ep_rank * moe.experts_per_rank, len(moes))
     per_rank = [None] * world
     dist.all_gather_object(per_rank, summarize_gradients(rows))
     grad_failures = [f"rank {r} {b}" if world > 1 else b
@@ -449,9 +491,11 @@ def main() -> int:
     if args.experts % world:
         sys.exit(f"train_moe.py: --experts {args.experts} is not divisible by {world} ranks")
     teacher = Teacher(args.hidden, args.experts, args.top_k, args.teacher_intermediate, device)
-    torch.manual_seed(100 + rank)  # this rank's experts
-    moe = epflow.MoELayer(args.hidden, args.intermediate, args.experts, args.top_k, args.tokens)
-    failed = run(args, moe, teacher, rank, world, device)
+    torch.manual_seed(100 + rank)  # this rank's experts, block after block
+    # One handle serves every block (same shape); each forward keeps its own context.
+    moes = [epflow.MoELayer(args.hidden, args.intermediate, args.experts, args.top_k,
+                            args.tokens // args.micro_batches) for _ in range(args.blocks)]
+    failed = run(args, moes, teacher, rank, world, device)
     epflow.release_handles()
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -67,11 +67,12 @@ def _run_example(argv, rank=0, world=1, expert_grad_scale=None, port=None):
         teacher = tm.Teacher(args.hidden, args.experts, args.top_k, args.teacher_intermediate,
                              cpu)
         torch.manual_seed(100 + rank)
-        moe = StandInMoELayer(args.hidden, args.intermediate, args.experts, world, rank)
+        moes = [StandInMoELayer(args.hidden, args.intermediate, args.experts, world, rank)
+                for _ in range(args.blocks)]
         if expert_grad_scale is not None:
-            for p in moe.parameters():
+            for p in (p for m in moes for p in m.parameters()):
                 p.register_hook(lambda g: g * expert_grad_scale)
-        return tm.run(args, moe, teacher, rank, world, cpu)
+        return tm.run(args, moes, teacher, rank, world, cpu)
     finally:
         dist.destroy_process_group()
 
@@ -100,13 +101,14 @@ def test_teacher_is_seeded_and_its_experts_carry_the_signal():
 def _grads(E=3, I=8, H=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     pt = {"head.weight": torch.randn(H, H, generator=g),
-          "router.weight": torch.randn(E, H, generator=g),
-          "experts.w_gate_up": torch.randn(E, 2 * I, H, generator=g).bfloat16(),
-          "experts.w_down": torch.randn(E, H, I, generator=g).bfloat16()}
-    ep = {"head.weight": pt["head.weight"].clone(), "router.weight": pt["router.weight"].clone(),
-          "experts.w_gate": pt["experts.w_gate_up"][:, :I].clone(),
-          "experts.w_up": pt["experts.w_gate_up"][:, I:].clone(),
-          "experts.w_down": pt["experts.w_down"].clone()}
+          "blocks.0.router.weight": torch.randn(E, H, generator=g),
+          "blocks.0.experts.w_gate_up": torch.randn(E, 2 * I, H, generator=g).bfloat16(),
+          "blocks.0.experts.w_down": torch.randn(E, H, I, generator=g).bfloat16()}
+    ep = {"head.weight": pt["head.weight"].clone(),
+          "blocks.0.router.weight": pt["blocks.0.router.weight"].clone(),
+          "blocks.0.experts.w_gate": pt["blocks.0.experts.w_gate_up"][:, :I].clone(),
+          "blocks.0.experts.w_up": pt["blocks.0.experts.w_gate_up"][:, I:].clone(),
+          "blocks.0.experts.w_down": pt["blocks.0.experts.w_down"].clone()}
     return ep, pt, I
 
 
@@ -118,20 +120,21 @@ def test_gradient_errors_are_per_expert():
     line, bad = tm.summarize_gradients(rows)
     assert bad == [] and "w_gate 0.0e+00" in line and "router.weight" in line
 
-    ep["experts.w_up"][1] = 0                       # one expert's gradient all zeros
-    ep["experts.w_down"][2] *= 0.5                  # one mis-scaled
-    ep["router.weight"] += 0.05 * torch.randn_like(ep["router.weight"])  # 5%: over 2e-2
-    ep["experts.w_gate"][0] *= 1.005                # 0.5%: bf16-sized, under the tolerance
+    ep["blocks.0.experts.w_up"][1] = 0              # one expert's gradient all zeros
+    ep["blocks.0.experts.w_down"][2] *= 0.5         # one mis-scaled
+    router = ep["blocks.0.router.weight"]
+    router += 0.05 * torch.randn_like(router)       # 5%: over 2e-2
+    ep["blocks.0.experts.w_gate"][0] *= 1.005       # 0.5%: bf16-sized, under the tolerance
     line, bad = tm.summarize_gradients(tm.gradient_errors(ep, pt, I, first_expert=6))
     assert len(bad) == 3, bad
     assert bad[0].startswith("expert 7 w_up: relative error 1 ") and bad[0].endswith("(all zeros)")
     assert bad[1].startswith("expert 8 w_down: relative error 0.5")
-    assert bad[2].startswith("router.weight")
+    assert bad[2].startswith("blocks.0.router.weight")
 
 
 def test_missing_gradient_counts_as_zero():
     ep, pt, I = _grads()
-    del ep["experts.w_down"]
+    del ep["blocks.0.experts.w_down"]
     ep["head.weight"] = None
     _, bad = tm.summarize_gradients(tm.gradient_errors(ep, pt, I, 0))
     assert sum("w_down" in b and "(all zeros)" in b for b in bad) == 3
@@ -189,6 +192,55 @@ def test_example_fails_when_expert_gradients_are_halved(capsys):
     rules = [f.split(":")[0] for f in failed]
     assert rules[0] == "rule 1 (gradients)" and "rule 2 (learning)" not in rules, out
     assert "expert 0 w_gate: relative error 0.5 > 0.02;" in failed[0]
+
+
+def test_gradient_errors_name_the_block():
+    ep, pt, I = _grads()
+    for d in (ep, pt):
+        d.update({k.replace("blocks.0.", "blocks.1."): v.clone() for k, v in list(d.items())
+                  if k.startswith("blocks.0.")})
+    ep["blocks.1.experts.w_down"][0] = 0
+    rows = tm.gradient_errors(ep, pt, I, first_expert=0, blocks=2)
+    assert rows[0][0] == "block 0 expert 0 w_gate" and len(rows) == 2 * 3 * 3 + 3
+    line, bad = tm.summarize_gradients(rows)
+    assert bad == ["block 1 expert 0 w_down: relative error 1 > 0.02 (all zeros)"], bad
+    assert "w_down 1.0e+00 (block 1 expert 0)" in line
+
+
+def test_example_with_blocks_and_micro_batches_in_flight(capsys):
+    # Two MoE blocks, two micro-batches whose forwards both run before their backwards: passes
+    # with a correct layer, and rule 1 names a zeroed block's experts.
+    argv = TINY + ["--blocks", "2", "--micro-batches", "2"]
+    failed = _run_example(argv)
+    out = capsys.readouterr().out
+    assert failed == [], out
+    failed = _run_example(argv, expert_grad_scale=0.0)
+    assert failed and failed[0].startswith("rule 1 (gradients)"), failed
+    assert "block 0 expert 0 w_gate: relative error 1 > 0.02 (all zeros)" in failed[0]
+
+
+def test_micro_batches_accumulate_to_the_whole_batch_gradient():
+    # One step's gradients with the batch in two micro-batches equal the whole batch's, up to
+    # rounding (the experts' bf16 gradients are accumulated in bf16).
+    args = tm.parse_args(TINY + ["--blocks", "2"])
+    cpu = torch.device("cpu")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        teacher = tm.Teacher(args.hidden, args.experts, args.top_k, args.teacher_intermediate,
+                             cpu)
+        grads = []
+        for mb in (1, 2):
+            torch.manual_seed(100)
+            moes = [StandInMoELayer(args.hidden, args.intermediate, args.experts)
+                    for _ in range(args.blocks)]
+            models = tm.build_models(moes, teacher, args, 1, cpu)
+            _, first, _ = tm.train({"epflow": models["epflow"]}, teacher, 1, args.tokens,
+                                   args.lr, 1, 0, cpu, log=lambda s: None, micro_batches=mb)
+            grads.append(first["epflow"])
+    finally:
+        dist.destroy_process_group()
+    for name, g in grads[0].items():
+        assert tm.rel_err(grads[1][name], g) <= 1e-2, name
 
 
 def _ep2_worker(rank, port, queue):
