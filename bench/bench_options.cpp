@@ -177,6 +177,8 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
       o->backward = true;
     } else if (flag == "--backward-unfused") {
       o->backward_unfused = true;
+    } else if (flag == "--accumulate-grads") {
+      o->accumulate_grads = true;
     } else if (flag == "--preset") {
       o->presets = names_of(value(), preset_names());
     } else if (flag == "--tokens") {
@@ -241,6 +243,7 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
     if (!o->backward_side_sms.empty()) fail("--backward-side-sms needs --backward");
     if (!o->backward_comm_sms.empty()) fail("--backward-comm-sms needs --backward");
     if (grad_dtype_given) fail("--grad-dtype needs --backward");
+    if (o->accumulate_grads) fail("--accumulate-grads needs --backward");
   }
   if (!o->json.empty())
     if (const std::string why = file_unwritable(o->json); !why.empty())
@@ -286,7 +289,7 @@ std::string usage_text() {
          "                    [--json PATH] [--baselines LIST] [--check] [--comm-sms N[,N...]]\n"
          "                    [--minibatch-rows R[,R...]] [--ring-rows R[,R...]] [--trace PREFIX]\n"
          "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
-         "                    [--grad-dtype bf16|fp32] [--backward-unfused]\n"
+         "                    [--grad-dtype bf16|fp32] [--accumulate-grads] [--backward-unfused]\n"
          "                    [--backward-side-sms N[,N...]] [--backward-comm-sms N[,N...]]\n"
          "  --preset     model shapes (default deepseek-v3 on GPUs, tiny on the CPU reference):\n"
          + wrapped(preset_names()) +
@@ -304,12 +307,14 @@ std::string usage_text() {
          "  --json PATH  also write the results to PATH as JSON (GPU runs)\n"
          "  --backward   also time EPFlow's backward and its stages (dy = x, weight gradients\n"
          "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"
+         "  --accumulate-grads  the backward adds into the weight gradients (gradient\n"
+         "               accumulation) instead of writing them\n"
          "  --backward-unfused  also time the unfused backward (separate kernels) and its stages\n"
          "  --backward-side-sms N[,N...]  also time the unfused backward with N SMs for its side\n"
          "               stream (x pull, dx push beside the GEMMs; 0: none, all in order)\n"
          "  --backward-comm-sms N[,N...]  also time the backward megakernel with N communication\n"
          "               SMs (at least 1)\n"
-         "               (--grad-dtype and the three flags above need --backward)\n"
+         "               (--grad-dtype and the four flags above need --backward)\n"
          "  --baselines  systems timed after EPFlow on the same inputs: nccl-cublas and\n"
          "               epflow-unfused (bench/unfused: separate kernels) by default, or none\n"
          "  --comm-sms, --minibatch-rows, --ring-rows  also time EPFlow with each combination\n"

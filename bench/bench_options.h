@@ -40,6 +40,9 @@ struct Options {
   // baseline's autograd writes for bf16 weights), or fp32 with --grad-dtype fp32.
   bool backward = false;
   bool fp32_grads = false;
+  // --accumulate-grads: the backward adds into the weight gradients (accumulate_weight_grads, as
+  // gradient accumulation over micro-batches runs it) instead of writing them.
+  bool accumulate_grads = false;
   // --backward-unfused: the unfused backward too (separate kernels; its stages).
   bool backward_unfused = false;
   // --backward-side-sms: the unfused backward again with each of these side-stream SM counts.

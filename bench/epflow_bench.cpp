@@ -179,8 +179,9 @@ class RankData {
   // The backward's outputs (dx, d topk_weights, weight gradients in `dtype`), dy =
   // bench_inputs.h's dy (the same every system's backward gets), and one SavedContext's buffer
   // of context_bytes (Layer::saved_context_bytes()), reused by each forward-backward pair.
+  // accumulate: the weight gradients start at zero and every backward adds into them.
   Status create_grads(const LayerConfig& c, int64_t T, GradDType dtype, uint64_t seed,
-                      int64_t context_bytes, cudaStream_t stream) {
+                      int64_t context_bytes, cudaStream_t stream, bool accumulate = false) {
     const int64_t H = c.hidden, I = c.intermediate, E = c.experts_per_rank(), K = c.top_k;
     const int64_t grad_words = (dtype == GradDType::kFP32 ? 2 : 1) * E * I * H / 2;
     __nv_bfloat16* dx = nullptr;
@@ -204,6 +205,11 @@ class RankData {
     grads_.d_up = du;
     grads_.d_down = dd;
     grads_.grad_dtype = dtype;
+    grads_.accumulate_weight_grads = accumulate;
+    if (accumulate)
+      for (float* g : {dg, du, dd})
+        EPFLOW_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(g, 0, grad_words * 4, stream),
+                                           "cudaMemsetAsync (weight gradients)"));
     char* context = nullptr;  // cudaMalloc's 256-byte alignment is what SavedContext needs
     EPFLOW_RETURN_IF_ERROR(alloc(&context, context_bytes, "cudaMalloc (saved context)"));
     context_.buffer = context;
@@ -356,7 +362,8 @@ Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const 
                      const std::string& trace_path) {
   EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T,
                                             o.fp32_grads ? GradDType::kFP32 : GradDType::kBF16,
-                                            o.seed, layer.saved_context_bytes(), stream));
+                                            o.seed, layer.saved_context_bytes(), stream,
+                                            o.accumulate_grads));
   out->memory = layer.memory();
   out->saved_context_bytes = layer.saved_context_bytes();
   SavedContext saved = data.fresh_context();
@@ -1353,9 +1360,10 @@ int run_gpu(const Options& o, int devices) {
         if (v == 0 && o.backward && !o.check) {
           const RankResult& b = slowest(variant_results[0], &RankResult::backward_us);
           const char* dtype = o.fp32_grads ? "fp32" : "bf16";
-          std::printf("  %-26s %10.1f %12.1f  (weight gradients %s, written)\n",
+          std::printf("  %-26s %10.1f %12.1f  (weight gradients %s, %s)\n",
                       "epflow backward", b.backward_us,
-                      2 * bench::forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype);
+                      2 * bench::forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype,
+                      o.accumulate_grads ? "accumulated" : "written");
           const RankResult& f = slowest(variant_results[0], &RankResult::forward_saving_us);
           auto stages_text = [](const std::vector<std::string>& names, const double* us) {
             std::string text;
@@ -1392,7 +1400,8 @@ int run_gpu(const Options& o, int devices) {
                  << ", \"routing\": \"" << bench::routing_name(o.routing) << "\""
                  << ", \"layer_us\": " << json_num(us)
                  << ", \"layer_tflops_per_gpu\": " << json_num(tflops(us))
-                 << ", \"grad_dtype\": \"" << dtype << "\"";
+                 << ", \"grad_dtype\": \"" << dtype << "\""
+                 << ", \"accumulate_grads\": " << (o.accumulate_grads ? "true" : "false");
           };
           bwd_json("epflow", b.backward_us);
           json << ", \"forward_saving_us\": " << json_num(f.forward_saving_us)

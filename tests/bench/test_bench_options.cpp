@@ -54,7 +54,8 @@ TEST(BenchOptions, FullCommandLine) {
        "--iters", "5", "--warmup", "0", "--repeats", "3", "--seed", "18446744073709551615",
        "--routing", "zipf", "--json", dir + "/results.json", "--baselines", "epflow-unfused", "--check", "--comm-sms",
        "0,8", "--minibatch-rows", "1024", "--ring-rows", "0,16384", "--trace", dir + "/trace",
-       "--yardstick", "interleaved", "--backward", "--grad-dtype", "fp32", "--backward-unfused",
+       "--yardstick", "interleaved", "--backward", "--grad-dtype", "fp32", "--accumulate-grads",
+       "--backward-unfused",
        "--backward-side-sms", "0,4", "--backward-comm-sms", "6,20"});
   ASSERT_EQ(r.outcome, Outcome::kOk) << r.error;
   const Options& o = r.options;
@@ -76,6 +77,7 @@ TEST(BenchOptions, FullCommandLine) {
   EXPECT_EQ(o.yardstick, Options::Yardstick::kInterleaved);
   EXPECT_TRUE(o.backward);
   EXPECT_TRUE(o.fp32_grads);
+  EXPECT_TRUE(o.accumulate_grads);
   EXPECT_TRUE(o.backward_unfused);
   EXPECT_EQ(o.backward_side_sms, (std::vector<int64_t>{0, 4}));
   EXPECT_EQ(o.backward_comm_sms, (std::vector<int64_t>{6, 20}));
@@ -178,6 +180,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{{"--backward-side-sms", "4"}, "--backward-side-sms needs --backward"},
         BadCase{{"--backward-comm-sms", "6"}, "--backward-comm-sms needs --backward"},
         BadCase{{"--grad-dtype", "fp32"}, "--grad-dtype needs --backward"},
+        BadCase{{"--accumulate-grads"}, "--accumulate-grads needs --backward"},
         BadCase{{"--json", "/nonexistent-epflow-folder/r.json"},
                 std::string("--json: cannot write \"/nonexistent-epflow-folder/r.json\": folder "
                             "\"/nonexistent-epflow-folder\": ") +
