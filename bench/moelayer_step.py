@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""EPFlow through PyTorch: epflow.MoELayer's training step (forward, then backward() of a loss
+with the bench's dy), timed with CUDA events, on epflow-bench's inputs (bench/baselines/
+inputs.py: the same x, routing, dy and expert weights for a preset, tokens and seed), one
+process per GPU under torchrun (EP = its world size).
+
+Each point runs --micro-batches forward-backward pairs per step with the expert gradients
+accumulating, in the two ways a user can: autograd's (.grad += each backward's fresh bf16
+gradient) and MoELayer(grad_accumulation_fusion=True) (the backward adds into .grad in place).
+Compare with epflow-bench --backward --accumulate-grads's train_step_us (EPFlow's own forward +
+accumulating backward, C++ API, same gradient dtype) run on the same inputs.
+
+Usage: torchrun --standalone --nproc_per_node 1 bench/moelayer_step.py \\
+           [--preset deepseek-v3] [--tokens 2048,8192] [--warmup 20] [--iters 20] [--repeats 3]
+           [--routing uniform|zipf] [--seed 1] [--json out.json]"""
+from __future__ import annotations
+
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "bench" / "baselines"))
+import inputs  # noqa: E402
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="deepseek-v3", choices=sorted(inputs.PRESETS))
+    ap.add_argument("--tokens", default="2048,8192", help="tokens per rank per step")
+    ap.add_argument("--micro-batches", type=int, default=2,
+                    help="forward-backward pairs per step, gradients accumulating")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--routing", default=inputs.ROUTINGS[0], choices=inputs.ROUTINGS)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    return ap.parse_args()
+
+
+def step_ms(layer, x, idx, w, dy, micro_batches: int, warmup: int, iters: int) -> float:
+    """Median GPU time of a training step: micro_batches x (forward, backward of sum(y * dy))
+    with the expert gradients accumulating in .grad (zeroed before each step, set_to_none as an
+    optimizer's zero_grad)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(warmup + iters)]
+    for start, end in events:
+        for p in layer.parameters():
+            p.grad = None
+        start.record()
+        for _ in range(micro_batches):
+            y = layer(x, idx, w)
+            y.backward(dy)
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events[warmup:])
+
+
+def main() -> int:
+    args = parse_args()
+    import epflow
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local)
+    p = inputs.PRESETS[args.preset]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    weights = inputs.make_weights(args.seed, rank, p, device)
+    layers = {}
+    for fused in (False, True):
+        layer = epflow.MoELayer(p.hidden, p.intermediate, p.experts_per_rank * world, p.top_k,
+                                max(tokens), grad_accumulation_fusion=fused)
+        with torch.no_grad():
+            layer.w_gate.copy_(weights.gate)
+            layer.w_up.copy_(weights.up)
+            layer.w_down.copy_(weights.down)
+        layers["fused" if fused else "autograd"] = layer
+    del weights
+    runs = []
+    for T in tokens:
+        x = inputs.make_x(args.seed, rank, T, p.hidden, device)
+        idx, w = inputs.make_routing(args.seed, rank, T, p.experts_per_rank * world, p.top_k,
+                                     device, args.routing)
+        dy = inputs.make_dy(args.seed, rank, T, p.hidden, device)
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        per_repeat = {k: [] for k in layers}
+        for _ in range(args.repeats):
+            for name, layer in layers.items():
+                ms = torch.tensor(step_ms(layer, x, idx, w, dy, args.micro_batches, args.warmup,
+                                          args.iters), device=device)
+                dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank
+                per_repeat[name].append(ms.item() * 1e3)
+        for name, us in per_repeat.items():
+            run = {"system": f"epflow-moelayer-{name}", "preset": args.preset, "tokens": T,
+                   "ep": world, "routing": args.routing, "micro_batches": args.micro_batches,
+                   "step_us": statistics.median(us), "repeat_step_us": us}
+            runs.append(run)
+            if rank == 0:
+                print(f"MoELayer ({name} accumulation) {args.preset} tokens/rank {T} EP {world} "
+                      f"{args.routing}: step of {args.micro_batches} micro-batches "
+                      f"{run['step_us']:.1f} us (repeats: "
+                      + " / ".join(f"{u:.1f}" for u in us) + ")", flush=True)
+    if rank == 0 and args.json:
+        commit = os.environ.get("EPFLOW_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+            text=True).stdout.strip() or "unknown"
+        args.json.write_text(json.dumps(
+            {"kind": "moelayer-step", "device": torch.cuda.get_device_name(device),
+             "commit": commit, "date": datetime.date.today().isoformat(),
+             "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
+             "seed": args.seed, "runs": runs}, indent=2) + "\n")
+    epflow.release_handles()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
