@@ -155,15 +155,23 @@ def _train_forward(handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, 
     return _MoEFunction.apply(handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, w_down)
 
 
-def _grad_buffer(p):
-    """Where grad_accumulation_fusion adds p's gradient: Megatron-Core's main_grad where the
-    parameter has one, else p.grad (created as zeros on the first backward)."""
-    buffer = getattr(p, "main_grad", None)
-    if buffer is None:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        buffer = p.grad
-    return buffer
+def _grad_buffers(params):
+    """Where grad_accumulation_fusion adds the parameters' gradients: Megatron-Core's main_grad
+    where a parameter has one, else its .grad. Returns (buffers, accumulate): when none of them
+    holds a gradient yet, fresh .grad tensors the kernels overwrite (no zero fill first)."""
+    if all(getattr(p, "main_grad", None) is None and p.grad is None for p in params):
+        for p in params:
+            p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return [p.grad for p in params], False
+    buffers = []
+    for p in params:
+        buffer = getattr(p, "main_grad", None)
+        if buffer is None:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            buffer = p.grad
+        buffers.append(buffer)
+    return buffers, True
 
 
 class _MoEFunction(torch.autograd.Function):
@@ -191,11 +199,11 @@ class _MoEFunction(torch.autograd.Function):
                                                      topk_idx, topk_weights, *weights)
             return None, None, dx, None, dw, dg, du, dd
         # Gradient accumulation fusion: the weight gradients added in place by the kernels.
-        targets = [_grad_buffer(p) for p in ctx.params]
+        targets, accumulate = _grad_buffers(ctx.params)
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         dw = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)
         ctx.handle.backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx, topk_weights,
-                                *weights, dx, dw, *targets, True)
+                                *weights, dx, dw, *targets, accumulate)
         return None, None, dx, None, dw, None, None, None
 
 
@@ -225,7 +233,7 @@ class MoELayer(nn.Module):
 
     grad_accumulation_fusion=True: the backward adds the expert weights' gradients in place, into
     each parameter's `main_grad` (Megatron-Core's fp32 buffer) where it has one, else into its
-    `.grad` (created as zeros), and gives autograd none for them: no separate pass over every
+    `.grad` (written by the first backward), and gives autograd none for them: no separate pass over every
     expert weight per micro-batch. Use it with loss.backward(): hooks on the expert weights do
     not see these gradients and torch.autograd.grad does not return them.
     """

@@ -21,68 +21,68 @@ struct WgradParams {
   const int64_t* seg_offset;
   const int32_t* expert_rows;  // optional: K ends at the first 64-row block past the real rows
   int32_t experts, m_tiles, n_tiles;
-  // WgradDirectSink's output.
-  void* dw;
-  int64_t m, n;
-  bool fp32_out, accumulate;
+  bool accumulate;  // dw += lhsᵀ rhs (a TMA reduce-add) instead of dw = lhsᵀ rhs (a TMA store)
 };
 
-// bf16, overwritten: the staged output goes to dw[e] as TMA stores (a 3-D map: a tile past m or
-// n is clipped at the expert).
-struct WgradStoreSink : gemm::DirectStoreSink<Epilogue::kStore> {
-  __device__ void publish(int wg, int tid, const uint8_t* staging, const gemm::TileCoord& c) {
-    if (tid != 0) return;
-#pragma unroll
-    for (int box = 0; box < kTileCols / 64; ++box)
-      ptx::tma_store_3d(map_out, staging + box * 64 * 128, c.n_tile * kTileCols + box * 64,
-                        c.m_tile * kTileRows + wg * 64, c.expert);
-    ptx::tma_store_commit();
-  }
-};
-
-// fp32, or added to dw: each thread writes (or reads, adds and writes) its accumulator pairs
-// straight from registers; every element has one writer, so accumulation is deterministic.
-struct WgradDirectSink {
+// The output tile of a consumer warpgroup (64 rows x 256 columns) goes through its staging
+// buffer (64 rows x 256 bf16) to dw[e] as TMA stores or TMA reduce-adds into what dw holds:
+// the gradient leaves the SM once, whole 128-byte rows, and accumulating reads nothing back into
+// the SM. Every element has one writer per call, so the sum is deterministic; bf16 accumulation
+// rounds the tile to bf16 and then the sum (what adding a fresh bf16 gradient does). fp32 tiles
+// take twice the bytes: two passes of 128 columns. The 3-D map over [E, m, n] clips a tile past
+// m or n at its expert.
+template <class T>  // __nv_bfloat16 or float
+struct WgradSink {
   static constexpr bool kDirect = true;
-  const WgradParams* p;
-  int64_t row_base[2];  // element index of the thread's two rows at this n tile; -1: past m
-  int32_t cols = 0;     // columns of this n tile inside n
-  int32_t q = 0;
-  __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int wg, int tid) {
-    const int warp = tid / 32, g = tid % 32 / 4;
-    q = tid % 4;
-    cols = static_cast<int32_t>(p->n - int64_t{c.n_tile} * kTileCols);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t row = int64_t{c.m_tile} * kTileRows + wg * 64 + warp * 16 + g + 8 * half;
-      row_base[half] =
-          row < p->m ? (c.expert * p->m + row) * p->n + int64_t{c.n_tile} * kTileCols : -1;
-    }
+  static constexpr int kWritePasses = static_cast<int>(sizeof(T)) / 2;
+  static constexpr int kPassCols = kTileCols / kWritePasses;
+  static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(T));  // a 128-byte swizzle span
+  static_assert(gemm::kStagingBytes<Epilogue::kStore> == 64 * kPassCols * sizeof(T));
+  const CUtensorMap* map_dw = nullptr;
+  uint8_t* staging = nullptr;  // this warpgroup's
+  bool accumulate = false;
+  gemm::TileCoord c;
+  int pass = 0;
+  __device__ __forceinline__ void prepare(const gemm::TileCoord& tile, int, int) {
+    c = tile;
+    pass = 0;
   }
-  __device__ __forceinline__ void begin(int, int) {}
+  __device__ __forceinline__ void begin(int wg, int tid) {
+    if (tid == 0) ptx::tma_store_wait_read();  // the previous pass's TMA has read the staging
+    ptx::named_barrier_sync(1 + wg, 128);
+  }
+  // NOTES: a row's 128-byte box rows are 16-byte chunks swizzled by the row (chunk ^ row % 8),
+  // so a warp's stores (8 rows x 4 lanes) spread over the banks.
   __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
-    const int col = 8 * j + 2 * q;  // even, and n is a multiple of 64: col + 1 < cols too
-    if (row_base[half] < 0 || col >= cols) return;
-    const int64_t at = row_base[half] + col;
-    if (p->fp32_out) {
-      auto* dst = reinterpret_cast<float2*>(static_cast<float*>(p->dw) + at);
-      if (p->accumulate) {
-        const float2 old = *dst;
-        v0 += old.x;
-        v1 += old.y;
-      }
-      *dst = make_float2(v0, v1);
-    } else {
-      auto* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p->dw) + at);
-      if (p->accumulate) {
-        const float2 old = __bfloat1622float2(*dst);
-        v0 += old.x;
-        v1 += old.y;
-      }
-      *dst = __floats2bfloat162_rn(v0, v1);
-    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
+    const int row = warp * 16 + lane / 4 + 8 * half;
+    const int col = 8 * j + 2 * (lane % 4) - pass * kPassCols;
+    const int byte = col * static_cast<int>(sizeof(T));
+    const int box = byte / 128, in_row = byte % 128;
+    uint8_t* at = staging + box * 64 * 128 + row * 128 + ((in_row / 16) ^ (row % 8)) * 16 + in_row % 16;
+    if constexpr (sizeof(T) == 2)
+      *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v0, v1);
+    else
+      *reinterpret_cast<float2*>(at) = make_float2(v0, v1);
   }
-  __device__ __forceinline__ void skip(int, int) {}
+  __device__ __forceinline__ void end(int wg, int tid) {
+    ptx::fence_shared_to_async_proxy();
+    ptx::named_barrier_sync(1 + wg, 128);
+    if (tid == 0) {
+      const int32_t row = c.m_tile * kTileRows + wg * 64;
+#pragma unroll
+      for (int box = 0; box < kPassCols / kBoxCols; ++box) {
+        const int32_t col = c.n_tile * kTileCols + pass * kPassCols + box * kBoxCols;
+        if (accumulate)
+          ptx::tma_reduce_add_3d(map_dw, staging + box * 64 * 128, col, row, c.expert);
+        else
+          ptx::tma_store_3d(map_dw, staging + box * 64 * 128, col, row, c.expert);
+      }
+      ptx::tma_store_commit();
+    }
+    ++pass;
+  }
+  __device__ __forceinline__ void skip(int, int) {}  // (a wgrad tile's rows are never padding)
 };
 
 __device__ __forceinline__ gemm::TileCoord wgrad_tile(const WgradParams& p, int64_t t) {
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     gemm::init_stage_barriers(s);
     ptx::prefetch_tensor_map(&map_lhs);
     ptx::prefetch_tensor_map(&map_rhs);
-    if constexpr (!Sink::kDirect) ptx::prefetch_tensor_map(&map_dw);  // else never encoded
+    ptx::prefetch_tensor_map(&map_dw);
   }
   __syncthreads();
   const int64_t tiles = int64_t{p.experts} * p.m_tiles * p.n_tiles;
@@ -147,18 +147,16 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   } else {
     ptx::warpgroup_reg_alloc<232>();
     Sink sink;
-    if constexpr (Sink::kDirect)
-      sink.p = &p;
-    else
-      sink.map_out = &map_dw;
+    sink.map_dw = &map_dw;
+    sink.staging = s.out[wg - 1];
+    sink.accumulate = p.accumulate;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const gemm::TileCoord c = wgrad_tile(p, t);
       gemm::consume_tile<Epilogue::kStore, kStages, gemm::kStagingBytes<Epilogue::kStore>,
                          Sink, gemm::WeightMajor::kN, gemm::RowsMajor::kM>(
           s, ps, c, k_blocks_of(c), wg - 1, sink);
     }
-    if constexpr (!Sink::kDirect)
-      if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
+    if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }
 }
 
@@ -176,34 +174,33 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
   if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
   if (a.max_ctas > 0 && a.max_ctas < sm_count) sm_count = a.max_ctas;
   // lhs and rhs as [max_rows, m | n] with their row strides, in boxes of 64 columns x 64 rows;
-  // dw as [E, m, n] in boxes of 64 x 64 (the staging's layout; bf16 overwrite only). A max_rows
-  // of 0 still maps one (never read) row.
+  // dw as [E, m, n] in boxes of 64 rows x 128 bytes (the staging's layout). A max_rows of 0
+  // still maps one (never read) row.
   const uint64_t rows = seg.max_rows > 0 ? seg.max_rows : 1;
   const uint64_t lhs_dims[2] = {uint64_t(a.m), rows}, rhs_dims[2] = {uint64_t(a.n), rows};
   const uint64_t lhs_strides[1] = {uint64_t(lhs_ld) * 2}, rhs_strides[1] = {uint64_t(rhs_ld) * 2};
   const uint64_t dw_dims[3] = {uint64_t(a.n), uint64_t(a.m), uint64_t(seg.experts)};
-  const uint32_t box2[2] = {64, kBlockK}, box3[3] = {64, 64, 1};
-  const bool staged = !a.fp32_out && !a.accumulate;
-  CUtensorMap map_lhs, map_rhs, map_dw = {};
+  const uint32_t box2[2] = {64, kBlockK};
+  const uint32_t dw_box[3] = {a.fp32_out ? 32u : 64u, 64, 1};  // 128-byte rows of the staging
+  CUtensorMap map_lhs, map_rhs, map_dw;
   if (!encode_bf16_tensor_map(&map_lhs, a.lhs, 2, lhs_dims, box2, lhs_strides).ok() ||
       !encode_bf16_tensor_map(&map_rhs, a.rhs, 2, rhs_dims, box2, rhs_strides).ok() ||
-      (staged && !encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, box3).ok()))
+      !(a.fp32_out ? encode_f32_tensor_map(&map_dw, a.dw, 3, dw_dims, dw_box)
+                   : encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, dw_box))
+           .ok())
     return cudaErrorInvalidValue;
   WgradParams p;
   p.seg_offset = seg.seg_offset;
   p.expert_rows = seg.expert_rows;
   p.experts = seg.experts;
-  p.dw = a.dw;
-  p.m = a.m;
-  p.n = a.n;
-  p.fp32_out = a.fp32_out;
   p.accumulate = a.accumulate;
   p.m_tiles = static_cast<int32_t>((a.m + kTileRows - 1) / kTileRows);
   p.n_tiles = static_cast<int32_t>((a.n + kTileCols - 1) / kTileCols);
   const int64_t tiles = int64_t{seg.experts} * p.m_tiles * p.n_tiles;
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
   constexpr size_t smem = sizeof(Smem) + 1024;  // + alignment slack
-  auto* kernel = staged ? expert_wgrad_kernel<WgradStoreSink> : expert_wgrad_kernel<WgradDirectSink>;
+  auto* kernel = a.fp32_out ? expert_wgrad_kernel<WgradSink<float>>
+                            : expert_wgrad_kernel<WgradSink<__nv_bfloat16>>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess)

@@ -261,8 +261,17 @@ __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const 
 // kStore only) take the values from registers: prepare(c, wg, tid) before the mainloop (where
 // the rows go: its loads land while the MMAs run), begin(wg, tid) once the MMAs are done, then
 // write(j, half, v0, v1) for columns 8j + 2q, 8j + 2q + 1 of row warp*16 + g + 8*half of the
-// warpgroup's 64 (lane = 4g + q). skip(): every thread, in place of all of these when the
-// warpgroup's rows are all padding (after it consumed the tile's stages).
+// warpgroup's 64 (lane = 4g + q), then end(wg, tid) if the sink has one. A sink with
+// kWritePasses = P gets begin, the writes of blocks j of one P-th of the columns and end, P times
+// in column order (a staging buffer smaller than the tile). skip(): every thread, in place of all
+// of these when the warpgroup's rows are all padding (after it consumed the tile's stages).
+template <class Sink>
+__host__ __device__ constexpr int direct_write_passes() {
+  if constexpr (requires { Sink::kWritePasses; })
+    return Sink::kWritePasses;
+  else
+    return 1;
+}
 // DirectStoreSink: the standalone GEMM stores its tiles itself.
 template <Epilogue kEpi>
 struct DirectStoreSink {
@@ -348,11 +357,17 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
 
   if constexpr (Sink::kDirect) {
     static_assert(kEpi == Epilogue::kStore, "direct sinks take plain outputs");
-    sink.begin(wg, tid);
+    constexpr int kPasses = direct_write_passes<Sink>();
+    constexpr int kPassBlocks = kTileCols / 8 / kPasses;
 #pragma unroll
-    for (int j = 0; j < kTileCols / 8; ++j) {
-      sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
-      sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+    for (int pass = 0; pass < kPasses; ++pass) {
+      sink.begin(wg, tid);
+#pragma unroll
+      for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
+        sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
+        sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+      }
+      if constexpr (requires { sink.end(wg, tid); }) sink.end(wg, tid);
     }
   } else {
     // Epilogue. NOTES: thread (warp w, lane g*4+q) holds rows w*16+g (+8) and, per n8 block j,

@@ -1,4 +1,4 @@
-// Host-side encoding of TMA tensor maps (bf16, 128-byte swizzle) through the driver entry point,
+// Host-side encoding of TMA tensor maps (bf16 or fp32, 128-byte swizzle) through the driver entry point,
 // so the library needs no link-time dependency on libcuda.
 #pragma once
 
@@ -16,5 +16,8 @@ namespace epflow {
 // Out-of-range box elements read as zeros.
 Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                               const uint32_t* box, const uint64_t* strides_bytes = nullptr);
+// The same for an fp32 tensor (box[0] * 4 must be 128 bytes).
+Status encode_f32_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
+                             const uint32_t* box, const uint64_t* strides_bytes = nullptr);
 
 }  // namespace epflow

@@ -68,6 +68,14 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
   cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, map, coords,
                                   smem_src);
 }
+// Tile reduction into global memory: each element of the box is added to what the tensor holds
+// (in its type: bf16 or fp32), out-of-range elements clipped; bulk-group completion like a store.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* smem_src,
+                                                 int32_t c0, int32_t c1, int32_t c2) {
+  const int32_t coords[3] = {c0, c1, c2};
+  cuda::ptx::cp_reduce_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared,
+                                         cuda::ptx::op_add, map, coords, smem_src);
+}
 __device__ __forceinline__ void tma_store_commit() { cuda::ptx::cp_async_bulk_commit_group(); }
 // Waits until the committed stores have finished reading shared memory (it may be rewritten).
 __device__ __forceinline__ void tma_store_wait_read() {
