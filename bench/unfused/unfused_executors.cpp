@@ -9,7 +9,7 @@
 #include "host/fused_passes.h"
 #include "host/pass_hooks.h"
 #include "host/saved_activations.h"
-#include "host/workspace.h"
+#include "host/layer_workspace.h"
 #include "unfused/expert_ffn.cuh"
 #include "unfused/row_movers.cuh"
 
@@ -22,11 +22,11 @@ namespace {
 struct RowMovers {
   int32_t blocks, threads;
 };
-RowMovers whole_gpu(const Workspace& ws) { return {4 * ws.sm_count, kernels::kRowMoverThreads}; }
+RowMovers whole_gpu(const LayerWorkspace& ws) { return {4 * ws.sm_count, kernels::kRowMoverThreads}; }
 
 // Every routed row of the pull table from its source rank's window region at `offset` ([T_max, H]:
 // x, or the backward's dy) into `out` [max_rows, H].
-Status pull_rows(const Workspace& ws, const SavedActivations& acts, size_t offset,
+Status pull_rows(const LayerWorkspace& ws, const SavedActivations& acts, size_t offset,
                  __nv_bfloat16* out, cudaStream_t stream, RowMovers movers,
                  bool zero_padding_rows) {
   kernels::DispatchArgs d;
@@ -44,7 +44,7 @@ Status pull_rows(const Workspace& ws, const SavedActivations& acts, size_t offse
 }
 
 // Every routed row of `rows` [max_rows, H] into its owner's (token, k) combine slot.
-Status push_rows(const Workspace& ws, const SavedActivations& acts, const __nv_bfloat16* rows,
+Status push_rows(const LayerWorkspace& ws, const SavedActivations& acts, const __nv_bfloat16* rows,
                  cudaStream_t stream, RowMovers movers) {
   kernels::CombineArgs cb;
   cb.peers = ws.peers;
@@ -60,7 +60,7 @@ Status push_rows(const Workspace& ws, const SavedActivations& acts, const __nv_b
 
 }  // namespace
 
-Status UnfusedForward::create(const Workspace& ws, std::unique_ptr<UnfusedForward>* out) {
+Status UnfusedForward::create(const LayerWorkspace& ws, std::unique_ptr<UnfusedForward>* out) {
   std::unique_ptr<UnfusedForward> f(new UnfusedForward());
   const int64_t rows = ws.max_rows, H = ws.config.hidden, I = ws.config.intermediate;
   f->bytes_ = static_cast<int64_t>(sizeof(__nv_bfloat16)) * rows * (2 * H + I);
@@ -76,7 +76,7 @@ UnfusedForward::~UnfusedForward() {
   if (buffers_) cudaFree(buffers_);
 }
 
-Status UnfusedForward::run(Workspace& ws, SavedActivations& acts, const ExpertWeights& w,
+Status UnfusedForward::run(LayerWorkspace& ws, SavedActivations& acts, const ExpertWeights& w,
                            bool keep_for_backward, cudaStream_t stream, PassHooks* hooks) {
   if (keep_for_backward)
     return error_status(StatusCode::kNotImplemented,
@@ -109,7 +109,7 @@ int32_t default_backward_side_sms(const LayerConfig& c, int32_t sm_count) {
   return std::max(1, std::min(std::max(side, 2), sm_count / 4));
 }
 
-Status UnfusedBackward::create(const Workspace& ws, int32_t side_sms,
+Status UnfusedBackward::create(const LayerWorkspace& ws, int32_t side_sms,
                                std::unique_ptr<UnfusedBackward>* out) {
   if (!ws.config.with_backward)
     return invalid_argument("the unfused backward needs a layer created with_backward");
@@ -143,7 +143,7 @@ std::vector<const char*> UnfusedBackward::stage_names() const {
 // gradients, on the side stream beside the GEMMs. The GEMMs run on sm_count - side_sms CTAs and
 // the side kernels on side_sms CTAs of a whole SM's threads, so both are resident at once
 // whichever starts first (a GEMM CTA fills an SM's register file).
-Status UnfusedBackward::run(Workspace& ws, const SavedActivations& acts, const ExpertWeights& w,
+Status UnfusedBackward::run(LayerWorkspace& ws, const SavedActivations& acts, const ExpertWeights& w,
                             const BackwardArgs& args, cudaStream_t stream, PassHooks* hooks) {
   const int64_t H = ws.config.hidden, I = ws.config.intermediate;
   const BackwardRows& b = ws.backward;

@@ -19,10 +19,10 @@ namespace epflow::bench {
 class UnfusedForward final : public ForwardExecutor {
  public:
   // Buffers of [max_rows, H | I | H] for ws's shape.
-  static Status create(const Workspace& ws, std::unique_ptr<UnfusedForward>* out);
+  static Status create(const LayerWorkspace& ws, std::unique_ptr<UnfusedForward>* out);
   ~UnfusedForward() override;
   // keep_for_backward: kNotImplemented (it keeps no gate/up pre-activations).
-  Status run(Workspace& ws, SavedActivations& acts, const ExpertWeights& weights,
+  Status run(LayerWorkspace& ws, SavedActivations& acts, const ExpertWeights& weights,
              bool keep_for_backward, cudaStream_t stream, PassHooks* hooks) override;
   int64_t buffer_bytes() const { return bytes_; }
 
@@ -44,11 +44,11 @@ int32_t default_backward_side_sms(const LayerConfig& config, int32_t sm_count);
 // events: graph-capturable); 0: everything in order on the caller's stream.
 class UnfusedBackward final : public BackwardExecutor {
  public:
-  static Status create(const Workspace& ws, int32_t side_sms,
+  static Status create(const LayerWorkspace& ws, int32_t side_sms,
                        std::unique_ptr<UnfusedBackward>* out);
   ~UnfusedBackward() override;
   std::vector<const char*> stage_names() const override;
-  Status run(Workspace& ws, const SavedActivations& acts, const ExpertWeights& weights,
+  Status run(LayerWorkspace& ws, const SavedActivations& acts, const ExpertWeights& weights,
              const BackwardArgs& args, cudaStream_t stream, PassHooks* hooks) override;
   int64_t buffer_bytes() const { return bytes_; }
 

@@ -68,8 +68,8 @@ struct BackwardArgs {
   bool accumulate_weight_grads = false;   // add into d_* instead of overwriting
 };
 
-// Device memory the layer holds, by purpose (bytes); the contexts of forwards in flight are the
-// caller's (Layer::saved_context_bytes() each).
+// Device memory a workspace holds, by purpose (bytes); the contexts of forwards in flight are
+// the caller's (Layer::saved_context_bytes() each).
 struct MemoryReport {
   int64_t symmetric_bytes = 0;   // NCCL symmetric windows (peers read or write them)
   int64_t ring_bytes = 0;        // the megakernel's ring (routed x rows and SwiGLU outputs)
@@ -82,9 +82,38 @@ struct MemoryReport {
 Status validate(const LayerConfig& config, const ForwardArgs& args);
 Status validate(const LayerConfig& config, const SavedContext& saved, const BackwardArgs& args);
 
+// What every layer on one communicator shares: the symmetric window the ranks read and write,
+// the megakernels' ring, the backward's row buffers, the barrier state. Create one per EP group
+// and device and create every layer of the model on it: a layer then costs no device memory of
+// its own (its forwards' contexts are the caller's), and layers of different shapes share it
+// (the memory grows to the largest shape when a layer is created; create layers before
+// capturing CUDA graphs of their calls). The calls of all its layers run one at a time: a call
+// on another stream than the previous call is ordered behind it by an event (no host sync);
+// in a captured graph, the graph's order applies.
+class Workspace {
+ public:
+  // `comm` spans the EP group; the current CUDA device is the workspace's.
+  static Status create(ncclComm_t comm, std::shared_ptr<Workspace>* out);
+  ~Workspace();
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  // What it holds now: the largest need of the layers created on it, per purpose.
+  MemoryReport memory() const;
+
+ private:
+  friend class Layer;
+  struct Impl;
+  explicit Workspace(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 class Layer {
  public:
-  // `comm` spans the EP group: its size must equal config.ep_size and its rank config.ep_rank.
+  // Creation is collective over the workspace's communicator: every rank creates the same
+  // layers in the same order. Its size must equal config.ep_size and its rank config.ep_rank.
+  static Status create(const LayerConfig& config, const std::shared_ptr<Workspace>& workspace,
+                       std::unique_ptr<Layer>* out);
+  // A layer on a workspace of its own.
   static Status create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr<Layer>* out);
   ~Layer();
   Layer(const Layer&) = delete;
@@ -94,6 +123,7 @@ class Layer {
   Status backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream);
 
   const LayerConfig& config() const;
+  // The workspace's memory (shared with the other layers on it).
   MemoryReport memory() const;
   // The bytes of SavedContext::buffer a forward keeps its activations in (sized for every row
   // the layer can route to this rank's experts).

@@ -1,12 +1,16 @@
 // EPFlow's PyTorch binding: a torch op library, loaded from Python with
 // torch.ops.load_library (python/epflow/__init__.py).
 //
-//   torch.classes.epflow.Handle(unique_id, world, rank, device, hidden, intermediate, num_experts,
-//                               top_k, max_tokens_per_rank, timeout_seconds, comm_sms,
-//                               minibatch_rows, ring_rows, with_backward)
-//       owns one ncclComm_t (ncclCommInitRank on `device`) and one epflow::Layer on it
-//       (with_backward: LayerConfig::with_backward, what training needs). Layers of one shape
-//       share a handle (python/epflow): its buffers serve every call, in stream order.
+//   torch.classes.epflow.Workspace(unique_id, world, rank, device)
+//       owns one ncclComm_t (ncclCommInitRank on `device`) and one epflow::Workspace on it: the
+//       memory every handle on it shares (python/epflow keeps one per process group and device).
+//     .memory() -> [symmetric, ring, schedule, backward] bytes it holds.
+//   torch.classes.epflow.Handle(workspace, hidden, intermediate, num_experts, top_k,
+//                               max_tokens_per_rank, timeout_seconds, comm_sms, minibatch_rows,
+//                               ring_rows, with_backward)
+//       one epflow::Layer of this shape on the workspace (with_backward:
+//       LayerConfig::with_backward, what training needs). Layers of one shape share a handle
+//       (python/epflow); every call of every handle on a workspace runs in stream order.
 //     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer) -> Context
 //       Layer::forward into the caller's y [T, H] bf16, keeping what its backward reads in
 //       `buffer` (uint8, Handle.saved_context_bytes() bytes, the caller's: autograd saves it
@@ -22,7 +26,7 @@
 //       the same, into the caller's tensors: dx and d_topk_weights overwritten; the weight
 //       gradients (all bf16 or all fp32) overwritten, or added to with accumulate (gradient
 //       accumulation in place, as Megatron-Core's main_grad fusion does).
-//     .memory() -> [symmetric, ring, schedule, backward] bytes the layer holds;
+//     .memory() -> [symmetric, ring, schedule, backward] bytes its workspace holds;
 //     .saved_context_bytes() -> bytes of one forward's context.
 //   torch.classes.epflow.Context: one training forward's context (which layer and call made
 //       it, and whether a backward has used it).
@@ -57,6 +61,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "epflow/epflow.h"
 
@@ -70,6 +75,59 @@ void check_status(const epflow::Status& s, const char* what) {
 }
 
 class Handle;
+
+std::vector<int64_t> memory_list(const epflow::MemoryReport& m) {
+  return {m.symmetric_bytes, m.ring_bytes, m.schedule_bytes, m.backward_bytes};
+}
+
+// A process group's communicator on one device and the epflow::Workspace on it.
+class Workspace : public torch::CustomClassHolder {
+ public:
+  Workspace(at::Tensor unique_id, int64_t world, int64_t rank, int64_t device) {
+    TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
+                    unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),
+                "unique_id must be a CPU uint8 tensor of ", sizeof(ncclUniqueId),
+                " bytes (epflow._C.get_unique_id()), got ", unique_id.scalar_type(), " [",
+                unique_id.numel(), "] on ", unique_id.device());
+    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "rank ", rank, " of world ", world,
+                " is not a valid rank");
+    TORCH_CHECK(device >= 0 && device < static_cast<int64_t>(c10::cuda::device_count()),
+                "device cuda:", device, " does not exist (", c10::cuda::device_count(),
+                " CUDA devices visible)");
+    device_ = static_cast<c10::DeviceIndex>(device);
+    world_ = static_cast<int32_t>(world);
+    rank_ = static_cast<int32_t>(rank);
+    c10::cuda::CUDAGuard guard(device_);
+    ncclUniqueId id;
+    std::memcpy(&id, unique_id.contiguous().data_ptr<uint8_t>(), sizeof(id));
+    check_status(epflow::create_communicator(id, static_cast<int>(world), static_cast<int>(rank),
+                                             &comm_),
+                 "communicator");
+    const epflow::Status s = epflow::Workspace::create(comm_, &workspace_);
+    if (!s.ok()) {
+      ncclCommDestroy(comm_);
+      comm_ = nullptr;
+      check_status(s, "Workspace::create");
+    }
+  }
+  ~Workspace() override {
+    if (device_ < 0) return;
+    c10::cuda::CUDAGuard guard(device_);
+    workspace_.reset();  // frees the symmetric window while the communicator still exists
+    if (comm_) ncclCommDestroy(comm_);
+  }
+  c10::DeviceIndex device() const { return device_; }
+  int32_t world() const { return world_; }
+  int32_t rank() const { return rank_; }
+  const std::shared_ptr<epflow::Workspace>& workspace() const { return workspace_; }
+  std::vector<int64_t> memory() const { return memory_list(workspace_->memory()); }
+
+ private:
+  c10::DeviceIndex device_ = -1;
+  int32_t world_ = 0, rank_ = 0;
+  ncclComm_t comm_ = nullptr;
+  std::shared_ptr<epflow::Workspace> workspace_;
+};
 
 // One training forward's context: the layer's SavedContext, whose buffer is the caller's tensor
 // (given again to the backward, which may get a recomputed copy of it).
@@ -85,47 +143,27 @@ int64_t g_next_id = 1;
 
 class Handle : public torch::CustomClassHolder {
  public:
-  Handle(at::Tensor unique_id, int64_t world, int64_t rank, int64_t device, int64_t hidden,
-         int64_t intermediate, int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank,
-         double timeout_seconds, int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows,
-         bool with_backward) {
-    TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
-                    unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),
-                "unique_id must be a CPU uint8 tensor of ", sizeof(ncclUniqueId),
-                " bytes (epflow._C.get_unique_id()), got ", unique_id.scalar_type(), " [",
-                unique_id.numel(), "] on ", unique_id.device());
-    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "rank ", rank, " of world ", world,
-                " is not a valid rank");
+  Handle(const c10::intrusive_ptr<Workspace>& workspace, int64_t hidden, int64_t intermediate,
+         int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank, double timeout_seconds,
+         int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows, bool with_backward)
+      : workspace_(workspace) {
     config_.hidden = hidden;
     config_.intermediate = intermediate;
     config_.num_experts = static_cast<int32_t>(num_experts);
     config_.top_k = static_cast<int32_t>(top_k);
-    config_.ep_size = static_cast<int32_t>(world);
-    config_.ep_rank = static_cast<int32_t>(rank);
     config_.max_tokens_per_rank = max_tokens_per_rank;
     config_.timeout_seconds = timeout_seconds;
     config_.comm_sms = static_cast<int32_t>(comm_sms);
     config_.minibatch_rows = minibatch_rows;
     config_.ring_rows = ring_rows;
     config_.with_backward = with_backward;
+    device_ = workspace->device();
+    c10::cuda::CUDAGuard guard(device_);
+    config_.ep_size = workspace->world();
+    config_.ep_rank = workspace->rank();
     // Config errors before any collective, with the field named.
     check_status(epflow::validate(config_), "config");
-    TORCH_CHECK(device >= 0 && device < static_cast<int64_t>(c10::cuda::device_count()),
-                "device cuda:", device, " does not exist (", c10::cuda::device_count(),
-                " CUDA devices visible)");
-    device_ = static_cast<c10::DeviceIndex>(device);
-    c10::cuda::CUDAGuard guard(device_);
-    ncclUniqueId id;
-    std::memcpy(&id, unique_id.contiguous().data_ptr<uint8_t>(), sizeof(id));
-    check_status(epflow::create_communicator(id, static_cast<int>(world), static_cast<int>(rank),
-                                             &comm_),
-                 "communicator");
-    const epflow::Status s = epflow::Layer::create(config_, comm_, &layer_);
-    if (!s.ok()) {
-      ncclCommDestroy(comm_);
-      comm_ = nullptr;
-      check_status(s, "Layer::create");
-    }
+    check_status(epflow::Layer::create(config_, workspace->workspace(), &layer_), "Layer::create");
     std::lock_guard<std::mutex> lock(g_registry_mutex);
     id_ = g_next_id++;
     g_registry[id_] = this;
@@ -138,8 +176,7 @@ class Handle : public torch::CustomClassHolder {
     }
     if (device_ >= 0) {
       c10::cuda::CUDAGuard guard(device_);
-      layer_.reset();  // frees the symmetric window while the communicator still exists
-      if (comm_) ncclCommDestroy(comm_);
+      layer_.reset();  // before the workspace (which this handle keeps alive)
     }
   }
 
@@ -152,10 +189,7 @@ class Handle : public torch::CustomClassHolder {
            ", " + config_.to_string() + ")";
   }
   // Device memory the layer holds, bytes: [symmetric, ring, schedule, backward].
-  std::vector<int64_t> memory() const {
-    const epflow::MemoryReport m = layer_->memory();
-    return {m.symmetric_bytes, m.ring_bytes, m.schedule_bytes, m.backward_bytes};
-  }
+  std::vector<int64_t> memory() const { return memory_list(layer_->memory()); }
   int64_t saved_context_bytes() const { return layer_->saved_context_bytes(); }
   c10::intrusive_ptr<Context> forward_train(const at::Tensor& x, const at::Tensor& topk_idx,
                                             const at::Tensor& topk_weights,
@@ -174,9 +208,9 @@ class Handle : public torch::CustomClassHolder {
                     at::Tensor d_down, bool accumulate);
 
  private:
+  c10::intrusive_ptr<Workspace> workspace_;
   epflow::LayerConfig config_;
   c10::DeviceIndex device_ = -1;
-  ncclComm_t comm_ = nullptr;
   std::unique_ptr<epflow::Layer> layer_;
   int64_t id_ = 0;
 };
@@ -415,9 +449,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::b
 
 TORCH_LIBRARY(epflow, m) {
   m.class_<Context>("Context").def("call", &Context::call);
+  m.class_<Workspace>("Workspace")
+      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t>())
+      .def("memory", &Workspace::memory);
   m.class_<Handle>("Handle")
-      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, double, int64_t, int64_t, int64_t, bool>())
+      .def(torch::init<c10::intrusive_ptr<Workspace>, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       double, int64_t, int64_t, int64_t, bool>())
       .def("id", &Handle::id)
       .def("forward_train", &Handle::forward_train)
       .def("backward", &Handle::backward)

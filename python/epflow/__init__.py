@@ -27,7 +27,8 @@ import os
 import torch
 import torch.nn as nn
 
-__all__ = ["MoELayer", "create_handle", "release_handles", "BACKWARD_NOT_IMPLEMENTED"]
+__all__ = ["MoELayer", "create_handle", "release_handles", "workspace_memory",
+           "BACKWARD_NOT_IMPLEMENTED"]
 
 BACKWARD_NOT_IMPLEMENTED = ("torch.ops.epflow.moe_forward is EPFlow's inference op and has no "
                             "autograd: train through epflow.MoELayer (backward=True, the default), "
@@ -75,8 +76,10 @@ def _backward(ctx, grad_y):
 torch.library.register_autograd("epflow::moe_forward", _backward, setup_context=_setup_context)
 
 
-# --- handles: one NCCL communicator + epflow::Layer per (process group, device, shape), shared by
-# every layer of that shape (a training forward keeps its activations in its own context) ------
+# --- workspaces and handles: one NCCL communicator + epflow::Workspace per (process group,
+# device), one epflow::Layer per shape on it, shared by every layer of that shape (a training
+# forward keeps its activations in its own context) ----------------------------------------------
+_WORKSPACES = {}
 _HANDLES = {}
 
 
@@ -93,17 +96,40 @@ def _group_info(group):
     return group, ranks, dist.get_world_size(group), dist.get_rank(group)
 
 
+def _workspace(group, ranks, world, rank, device):
+    """The process group's workspace on `device` (its NCCL communicator and the memory every
+    handle on it shares), created once: collective over the group."""
+    key = (ranks, device.index)
+    if key in _WORKSPACES:
+        return _WORKSPACES[key]
+    with torch.cuda.device(device):
+        if group is None:
+            uid = _C.get_unique_id()
+        else:
+            import torch.distributed as dist
+            obj = [_C.get_unique_id() if rank == 0 else None]
+            dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
+            uid = obj[0]
+        ws = torch.classes.epflow.Workspace(
+            torch.frombuffer(bytearray(uid), dtype=torch.uint8), world, rank, device.index)
+    _WORKSPACES[key] = ws
+    return ws
+
+
 def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *, group=None,
                   device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0, ring_rows=0,
                   with_backward=False):
     """Returns (key, handle) for this shape on this process group, creating it once: the layers
-    of one shape share it (its communicator, windows and buffers). with_backward: the handle has
-    the buffers EPFlow's GPU backward needs (LayerConfig::with_backward; allocated at creation).
+    of one shape share it. Every handle of a process group on a device lives on one workspace
+    (one NCCL communicator, one symmetric window, one ring and one set of backward buffers,
+    grown to the largest shape): a layer adds no device memory of its own. with_backward: the
+    handle's layer can run EPFlow's GPU backward (LayerConfig::with_backward).
 
     Creation is collective over `group` (default: the world group; without torch.distributed,
-    a single rank): every rank must call it, in the same order, with the same shape. Rank 0 of
-    the group makes an ncclUniqueId and broadcasts it over the group (broadcast_object_list);
-    every rank then makes its own NCCL communicator and epflow::Layer on `device`.
+    a single rank): every rank must call it, in the same order, with the same shape. The first
+    handle of a group and device also creates its workspace: rank 0 of the group makes an
+    ncclUniqueId and broadcasts it over the group (broadcast_object_list), every rank makes its
+    NCCL communicator on `device`.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("epflow: EPFlow runs on CUDA GPUs only (sm_90a); no CUDA device here")
@@ -120,28 +146,33 @@ def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank,
     key = (ranks, device.index) + shape
     if key in _HANDLES:
         return key, _HANDLES[key]
+    ws = _workspace(group, ranks, world, rank, device)
     with torch.cuda.device(device):
-        if group is None:
-            uid = _C.get_unique_id()
-        else:
-            import torch.distributed as dist
-            obj = [_C.get_unique_id() if rank == 0 else None]
-            dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
-            uid = obj[0]
-        handle = torch.classes.epflow.Handle(
-            torch.frombuffer(bytearray(uid), dtype=torch.uint8), world, rank, device.index,
-            *shape)
+        handle = torch.classes.epflow.Handle(ws, *shape)
     _HANDLES[key] = handle
     return key, handle
 
 
+def workspace_memory(group=None, device=None):
+    """Bytes the process group's workspace on `device` holds, as a dict by purpose (symmetric
+    window, ring, schedule, backward rows), or None before its first layer."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+        else torch.device(device)
+    _, ranks, _, _ = _group_info(group)
+    ws = _WORKSPACES.get((ranks, device.index))
+    if ws is None:
+        return None
+    return dict(zip(("symmetric", "ring", "schedule", "backward"), ws.memory()))
+
+
 def release_handles():
-    """Destroys every cached handle (their NCCL communicators and layers). Call it on every rank
-    after the last forward, before dist.destroy_process_group(); modules that used them stop
-    working."""
-    if _HANDLES and torch.cuda.is_available():
+    """Destroys every cached handle and workspace (their layers and NCCL communicators). Call it
+    on every rank after the last forward, before dist.destroy_process_group(); modules that used
+    them stop working."""
+    if (_HANDLES or _WORKSPACES) and torch.cuda.is_available():
         torch.cuda.synchronize()
     _HANDLES.clear()
+    _WORKSPACES.clear()
 
 
 atexit.register(release_handles)

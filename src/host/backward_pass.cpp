@@ -5,7 +5,7 @@
 #include "host/fused_passes.h"
 #include "host/pass_hooks.h"
 #include "host/saved_activations.h"
-#include "host/workspace.h"
+#include "host/layer_workspace.h"
 #include "kernels/expert_wgrad.cuh"
 
 namespace epflow {
@@ -13,7 +13,7 @@ namespace epflow {
 namespace {
 
 // d topk_weights of every routed row from the megakernel's partial sums, into the owners' windows.
-Status push_router_weight_grads(const Workspace& ws, const SavedActivations& acts,
+Status push_router_weight_grads(const LayerWorkspace& ws, const SavedActivations& acts,
                                 cudaStream_t stream) {
   const LayerConfig& c = ws.config;
   kernels::RouterWeightGradArgs rw;
@@ -31,7 +31,7 @@ Status push_router_weight_grads(const Workspace& ws, const SavedActivations& act
 
 }  // namespace
 
-Status weight_gradients(const Workspace& ws, const SavedActivations& acts,
+Status weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
                         const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream,
                         cudaEvent_t x_rows_in) {
   const int64_t H = ws.config.hidden, I = ws.config.intermediate;
@@ -66,7 +66,7 @@ std::vector<const char*> FusedBackward::stage_names() const {
           "weight gradients"};
 }
 
-Status FusedBackward::run(Workspace& ws, const SavedActivations& acts,
+Status FusedBackward::run(LayerWorkspace& ws, const SavedActivations& acts,
                           const ExpertWeights& weights, const BackwardArgs& args,
                           cudaStream_t stream, PassHooks* hooks) {
   const BackwardRows& b = ws.backward;

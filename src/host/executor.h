@@ -14,7 +14,7 @@
 
 namespace epflow {
 
-struct Workspace;
+struct LayerWorkspace;
 struct SavedActivations;
 class PassHooks;
 
@@ -25,7 +25,7 @@ class ForwardExecutor {
   // SwiGLU FFN, the result pushed into the source's (token, k) combine slot. keep_for_backward:
   // also keep in acts what the backward reads (an executor that cannot returns kNotImplemented
   // before launching anything). Marks two stage boundaries: dispatch done, expert FFN done.
-  virtual Status run(Workspace& ws, SavedActivations& acts, const ExpertWeights& weights,
+  virtual Status run(LayerWorkspace& ws, SavedActivations& acts, const ExpertWeights& weights,
                      bool keep_for_backward, cudaStream_t stream, PassHooks* hooks) = 0;
 };
 
@@ -37,7 +37,7 @@ class BackwardExecutor {
   // With dy and the router weights published in every rank's window: every routed row's dx
   // pushed into its source's (token, k) combine slot, its d topk_weight into the source's
   // d_weights slot, and this rank's weight gradients into args' d_gate, d_up, d_down.
-  virtual Status run(Workspace& ws, const SavedActivations& acts, const ExpertWeights& weights,
+  virtual Status run(LayerWorkspace& ws, const SavedActivations& acts, const ExpertWeights& weights,
                      const BackwardArgs& args, cudaStream_t stream, PassHooks* hooks) = 0;
 };
 

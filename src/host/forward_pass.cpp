@@ -5,11 +5,11 @@
 #include "host/fused_passes.h"
 #include "host/pass_hooks.h"
 #include "host/saved_activations.h"
-#include "host/workspace.h"
+#include "host/layer_workspace.h"
 
 namespace epflow {
 
-kernels::MegakernelArgs megakernel_args(const Workspace& ws, const SavedActivations& acts,
+kernels::MegakernelArgs megakernel_args(const LayerWorkspace& ws, const SavedActivations& acts,
                                         const ExpertWeights& w, PassHooks* hooks,
                                         cudaStream_t stream) {
   const LayerConfig& c = ws.config;
@@ -34,7 +34,7 @@ kernels::MegakernelArgs megakernel_args(const Workspace& ws, const SavedActivati
   return m;
 }
 
-Status FusedForward::run(Workspace& ws, SavedActivations& acts, const ExpertWeights& weights,
+Status FusedForward::run(LayerWorkspace& ws, SavedActivations& acts, const ExpertWeights& weights,
                          bool keep_for_backward, cudaStream_t stream, PassHooks* hooks) {
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(ws.ring.counters, 0, ws.ring.counter_bytes, stream));
   // The megakernel has no stage boundary inside: dispatch and FFN are one stage, which begins

@@ -13,7 +13,7 @@ namespace epflow {
 // the backward costs one extra store per gate/up tile.
 class FusedForward final : public ForwardExecutor {
  public:
-  Status run(Workspace& ws, SavedActivations& acts, const ExpertWeights& weights,
+  Status run(LayerWorkspace& ws, SavedActivations& acts, const ExpertWeights& weights,
              bool keep_for_backward, cudaStream_t stream, PassHooks* hooks) override;
 };
 
@@ -25,7 +25,7 @@ class FusedBackward final : public BackwardExecutor {
  public:
   explicit FusedBackward(int32_t comm_sms) : comm_sms_(comm_sms) {}
   std::vector<const char*> stage_names() const override;
-  Status run(Workspace& ws, const SavedActivations& acts, const ExpertWeights& weights,
+  Status run(LayerWorkspace& ws, const SavedActivations& acts, const ExpertWeights& weights,
              const BackwardArgs& args, cudaStream_t stream, PassHooks* hooks) override;
   int32_t comm_sms() const { return comm_sms_; }
 
@@ -35,14 +35,14 @@ class FusedBackward final : public BackwardExecutor {
 
 // What both megakernel passes take from the workspace and the schedule; the pass sets its rows,
 // ring and partition. With hooks that trace, the launch records its tasks there.
-kernels::MegakernelArgs megakernel_args(const Workspace& ws, const SavedActivations& acts,
+kernels::MegakernelArgs megakernel_args(const LayerWorkspace& ws, const SavedActivations& acts,
                                         const ExpertWeights& weights, PassHooks* hooks,
                                         cudaStream_t stream);
 
 // dW_down = dyᵀ (w h), dW_gate = dgᵀ x, dW_up = duᵀ x over the workspace's backward rows, on at
 // most max_ctas SMs (0: all); the last two wait for x_rows_in first when it is set. Any backward
 // executor that fills those rows ends with it.
-Status weight_gradients(const Workspace& ws, const SavedActivations& acts,
+Status weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
                         const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream,
                         cudaEvent_t x_rows_in);
 

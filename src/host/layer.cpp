@@ -49,12 +49,39 @@ Status validate(const LayerConfig& c, const SavedContext& saved, const BackwardA
                  "weight gradients (d_gate, d_up, d_down) must all be set");
 }
 
+struct Workspace::Impl {
+  std::shared_ptr<SharedWorkspace> shared;
+};
+
+Workspace::Workspace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Workspace::~Workspace() = default;
+
+Status Workspace::create(ncclComm_t comm, std::shared_ptr<Workspace>* out) {
+  EPFLOW_RETURN_IF_ERROR(require(out != nullptr, "output pointer is null"));
+  auto impl = std::make_unique<Impl>();
+  EPFLOW_RETURN_IF_ERROR(SharedWorkspace::create(comm, &impl->shared));
+  out->reset(new Workspace(std::move(impl)));
+  return Status::ok_status();
+}
+
+MemoryReport Workspace::memory() const { return impl_->shared->memory(); }
+
 struct Layer::Impl {
   std::unique_ptr<LayerCore> core;
 };
 
 Layer::Layer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Layer::~Layer() = default;
+
+Status Layer::create(const LayerConfig& config, const std::shared_ptr<Workspace>& workspace,
+                     std::unique_ptr<Layer>* out) {
+  EPFLOW_RETURN_IF_ERROR(require(out != nullptr, "output pointer is null"));
+  EPFLOW_RETURN_IF_ERROR(require(workspace != nullptr, "workspace is null"));
+  auto impl = std::make_unique<Impl>();
+  EPFLOW_RETURN_IF_ERROR(LayerCore::create(config, workspace->impl_->shared, &impl->core));
+  out->reset(new Layer(std::move(impl)));
+  return Status::ok_status();
+}
 
 Status Layer::create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr<Layer>* out) {
   EPFLOW_RETURN_IF_ERROR(require(out != nullptr, "output pointer is null"));

@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "common/status_util.h"
-#include "epflow/communicator.h"
 #include "host/fused_passes.h"
 
 namespace epflow {
@@ -17,31 +16,32 @@ Status LayerCore::create(const LayerConfig& config, ncclComm_t comm,
                          std::unique_ptr<LayerCore>* out) {
   if (out == nullptr) return invalid_argument("output pointer is null");
   EPFLOW_RETURN_IF_ERROR(validate(config));
+  std::shared_ptr<SharedWorkspace> shared;
+  EPFLOW_RETURN_IF_ERROR(SharedWorkspace::create(comm, &shared));
+  return create(config, std::move(shared), out);
+}
+
+Status LayerCore::create(const LayerConfig& config, std::shared_ptr<SharedWorkspace> workspace,
+                         std::unique_ptr<LayerCore>* out) {
+  if (out == nullptr) return invalid_argument("output pointer is null");
+  EPFLOW_RETURN_IF_ERROR(validate(config));
   if (config.dtype != DType::kBF16)
     return error_status(StatusCode::kNotImplemented, "dtype ", to_string(config.dtype),
                         " is not implemented yet: only bf16");
-  EPFLOW_RETURN_IF_ERROR(check_nccl_version());
-  int devices = 0;
-  const cudaError_t err = cudaGetDeviceCount(&devices);
-  if (err != cudaSuccess || devices == 0)
-    return error_status(StatusCode::kNoDevice, "no CUDA device found (",
-                        err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")");
-  if (comm == nullptr) return invalid_argument("communicator is null");
-  int comm_size = 0, comm_rank = 0;
-  if (ncclCommCount(comm, &comm_size) != ncclSuccess ||
-      ncclCommUserRank(comm, &comm_rank) != ncclSuccess)
-    return error_status(StatusCode::kNcclError, "could not query the communicator's size and rank");
-  if (comm_size != config.ep_size || comm_rank != config.ep_rank)
-    return invalid_argument("communicator is rank ", comm_rank, " of ", comm_size,
+  if (workspace == nullptr) return invalid_argument("workspace is null");
+  int device = 0;
+  EPFLOW_CUDA_RETURN(cudaGetDevice(&device));
+  if (device != workspace->device())
+    return invalid_argument("the workspace is on device ", workspace->device(),
+                            " but the current device is ", device);
+  if (workspace->world() != config.ep_size || workspace->rank() != config.ep_rank)
+    return invalid_argument("communicator is rank ", workspace->rank(), " of ", workspace->world(),
                             " but config says ep_rank ", config.ep_rank, " of ep_size ",
                             config.ep_size);
   static std::atomic<uint64_t> next_id{1};
   std::unique_ptr<LayerCore> core(new LayerCore());
   core->id_ = next_id.fetch_add(1);
-  EPFLOW_RETURN_IF_ERROR(Workspace::create(config, comm, &core->ws_));
-  EPFLOW_CUDA_RETURN(cudaMalloc(&core->inference_buffer_,
-                                SavedActivations::bytes(*core->ws_, /*with_gate_up=*/false)));
-  core->inference_acts_ = SavedActivations::carve(*core->ws_, core->inference_buffer_, false);
+  EPFLOW_RETURN_IF_ERROR(LayerWorkspace::create(config, std::move(workspace), &core->ws_));
   core->forward_ = std::make_unique<FusedForward>();
   core->backward_ = std::make_unique<FusedBackward>(core->ws_->plan.backward_comm_sms);
   *out = std::move(core);
@@ -50,13 +50,16 @@ Status LayerCore::create(const LayerConfig& config, ncclComm_t comm,
 
 LayerCore::~LayerCore() {
   // After a timed-out wait the CUDA context is dead: leave its memory alone (the process must
-  // exit); the workspace keeps its own.
+  // exit); the shared workspace keeps its own.
   if (ws_ && !ws_->device_failure().ok()) {
     (void)forward_.release();
     (void)backward_.release();
-    return;
   }
-  if (inference_buffer_) cudaFree(inference_buffer_);
+}
+
+Status LayerCore::begin_call(cudaStream_t stream) {
+  ws_->refresh();
+  return ws_->shared->begin_call(stream);
 }
 
 std::vector<const char*> LayerCore::forward_stage_names() {
@@ -86,11 +89,7 @@ Status LayerCore::set_backward_comm_sms(int32_t comm_sms) {
   return Status::ok_status();
 }
 
-MemoryReport LayerCore::memory() const {
-  MemoryReport m = ws_->memory;
-  m.schedule_bytes += SavedActivations::bytes(*ws_, /*with_gate_up=*/false);
-  return m;
-}
+MemoryReport LayerCore::memory() const { return ws_->shared->memory(); }
 
 int64_t LayerCore::saved_context_bytes() const {
   return SavedActivations::bytes(*ws_, /*with_gate_up=*/true);
@@ -127,7 +126,9 @@ Status LayerCore::forward(const ForwardArgs& args, cudaStream_t stream, SavedCon
       return invalid_argument("SavedContext::buffer must be ", SavedActivations::kAlignment,
                               "-byte aligned");
   }
+  EPFLOW_RETURN_IF_ERROR(begin_call(stream));
   EPFLOW_RETURN_IF_ERROR(with_device_failure(run_forward(args, stream, saved, hooks)));
+  EPFLOW_RETURN_IF_ERROR(ws_->shared->end_call(stream));
   return ws_->routing_report();
 }
 
@@ -140,7 +141,9 @@ Status LayerCore::backward(const BackwardArgs& args, const SavedContext& saved,
   if (*saved.consumed)
     return invalid_argument("saved context of forward call ", saved.call,
                             " was already used by a backward (a context serves one backward)");
+  EPFLOW_RETURN_IF_ERROR(begin_call(stream));
   EPFLOW_RETURN_IF_ERROR(with_device_failure(run_backward(args, saved, stream, hooks)));
+  EPFLOW_RETURN_IF_ERROR(ws_->shared->end_call(stream));
   *saved.consumed = true;
   return ws_->routing_report();
 }
@@ -163,8 +166,8 @@ Status LayerCore::run_forward(const ForwardArgs& a, cudaStream_t stream, SavedCo
                                        sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
                                        stream));
   }
-  SavedActivations acts = saved ? SavedActivations::carve(*ws_, saved->buffer, true)
-                                : inference_acts_;
+  SavedActivations acts = SavedActivations::carve(
+      *ws_, saved ? saved->buffer : ws_->inference_schedule, /*with_gate_up=*/saved != nullptr);
   EPFLOW_RETURN_IF_ERROR(ws_->publish_barrier(T, stream));
   EPFLOW_RETURN_IF_ERROR(acts.build_schedule(*ws_, stream));
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));

@@ -1,7 +1,7 @@
-// The layer as the library runs it: a workspace, the schedule buffer of inference forwards (a
-// training forward keeps its own in its SavedContext), and the two pass executors, with the
-// steps every executor shares around its expert phase (inputs into the window, barriers,
-// schedule, weighted sums). The public Layer is a thin handle over it; the
+// The layer as the library runs it: its view of the shared workspace (its shape over the
+// memory every layer on the communicator shares) and the two pass executors, with the steps
+// every executor shares around its expert phase (inputs into the window, barriers, schedule,
+// weighted sums). The public Layer is a thin handle over it; the
 // benchmark and the tests use it directly to pass hooks, swap executors or set internal knobs.
 #pragma once
 
@@ -15,14 +15,17 @@
 #include "host/executor.h"
 #include "host/pass_hooks.h"
 #include "host/saved_activations.h"
-#include "host/workspace.h"
+#include "host/layer_workspace.h"
 
 namespace epflow {
 
 class LayerCore {
  public:
-  // Validates config and comm (ranks, NCCL version, device) before any collective.
+  // Validates config and the workspace's communicator (ranks, NCCL version, device) before any
+  // collective. The first form creates a workspace of its own on comm.
   static Status create(const LayerConfig& config, ncclComm_t comm,
+                       std::unique_ptr<LayerCore>* out);
+  static Status create(const LayerConfig& config, std::shared_ptr<SharedWorkspace> workspace,
                        std::unique_ptr<LayerCore>* out);
   ~LayerCore();
   LayerCore(const LayerCore&) = delete;
@@ -45,8 +48,9 @@ class LayerCore {
   // The fused backward's communication SMs, in [1, sm_count) (default: the runtime plan's).
   Status set_backward_comm_sms(int32_t comm_sms);
 
-  Workspace& workspace() { return *ws_; }
-  const Workspace& workspace() const { return *ws_; }
+  LayerWorkspace& workspace() { return *ws_; }
+  const std::shared_ptr<SharedWorkspace>& shared_workspace() const { return ws_->shared; }
+  const LayerWorkspace& workspace() const { return *ws_; }
   const LayerConfig& config() const { return ws_->config; }
   MemoryReport memory() const;
   int64_t saved_context_bytes() const;
@@ -63,9 +67,11 @@ class LayerCore {
   Status run_backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream,
                       PassHooks* hooks);
 
-  std::unique_ptr<Workspace> ws_;
-  void* inference_buffer_ = nullptr;  // the schedule of forwards that keep nothing
-  SavedActivations inference_acts_;
+  // Before a call: the view's pointers (a later layer may have grown the shared memory) and
+  // the call ordered behind the workspace's previous one.
+  Status begin_call(cudaStream_t stream);
+
+  std::unique_ptr<LayerWorkspace> ws_;
   std::unique_ptr<ForwardExecutor> forward_;
   std::unique_ptr<BackwardExecutor> backward_;
   uint64_t id_ = 0;     // unique in the process: which layer filled a SavedContext

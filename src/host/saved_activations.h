@@ -15,7 +15,7 @@
 
 namespace epflow {
 
-struct Workspace;
+struct LayerWorkspace;
 
 struct SavedActivations {
   kernels::ScheduleBuffers schedule;
@@ -24,14 +24,14 @@ struct SavedActivations {
   // Alignment of a buffer carve() takes, and of each part inside it.
   static constexpr int64_t kAlignment = 256;
   // Bytes of the schedule, then of g | u, for ws's shape.
-  static int64_t schedule_bytes(const Workspace& ws);
-  static int64_t bytes(const Workspace& ws, bool with_gate_up);
+  static int64_t schedule_bytes(const LayerWorkspace& ws);
+  static int64_t bytes(const LayerWorkspace& ws, bool with_gate_up);
   // The view over `buffer` (at least bytes(ws, with_gate_up), kAlignment-aligned).
-  static SavedActivations carve(const Workspace& ws, void* buffer, bool with_gate_up);
+  static SavedActivations carve(const LayerWorkspace& ws, void* buffer, bool with_gate_up);
 
   // The device schedule of this rank's experts from every rank's topk_idx and T (in their
   // windows and ws.tokens once the publish barrier passed), stream-ordered.
-  Status build_schedule(const Workspace& ws, cudaStream_t stream) const;
+  Status build_schedule(const LayerWorkspace& ws, cudaStream_t stream) const;
 };
 
 }  // namespace epflow

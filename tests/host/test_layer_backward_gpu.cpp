@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/status_util.h"
 #include "gpu_test_util.h"
 #include "host/layer_core.h"
 #include "unfused/unfused_executors.h"
@@ -637,34 +638,36 @@ TEST(LayerBackwardGpu, DeepSeekV3ShapeEp2) {
   deepseek_v3(2);
 }
 
-// Contexts in flight: several layers (experts of their own) and micro-batches, run in a
-// schedule's order, a context per (layer, micro-batch) forward; every y, dx, d topk_weights and
-// fp32 weight gradient against the reference of that layer and micro-batch alone. Inputs are
-// independent per (layer, micro-batch): what is checked is that a backward reads its own forward's
-// state, whatever ran in between.
+// Contexts in flight: several layers (experts of their own, shapes their own) on one shared
+// workspace and micro-batches, run in a schedule's order, a context per (layer, micro-batch)
+// forward, each call on the step's stream (the workspace orders calls of different streams);
+// every y, dx, d topk_weights and fp32 weight gradient against the reference of that layer and
+// micro-batch alone. Inputs are independent per (layer, micro-batch): what is checked is that a
+// backward reads its own forward's state, whatever ran in between. The workspace's memory is
+// what its largest layer needs: a layer whose shape fits adds nothing.
 enum class StepKind { kForward, kInference, kBackward };
 struct Step {
   StepKind kind;
   int layer;
   int mb;
+  int stream = 0;  // 0 or 1
 };
 
-void run_schedule(const LayerConfig& c, int layers, const std::vector<CallInputs>& mbs,
+void run_schedule(const std::vector<LayerConfig>& cs, const std::vector<std::vector<CallInputs>>& mbs,
                   const std::vector<Step>& steps) {
-  const int world = c.ep_size, n_mb = static_cast<int>(mbs.size());
+  const int layers = static_cast<int>(cs.size()), world = cs[0].ep_size;
+  const int n_mb = static_cast<int>(mbs[0].size());
   std::vector<std::vector<reference::RankExperts>> experts;
-  for (int l = 0; l < layers; ++l) experts.push_back(testing::make_bf16_experts(c, 50 + l));
-  std::vector<std::vector<std::vector<float>>> dy;
-  for (int m = 0; m < n_mb; ++m) dy.push_back(make_dy(c, mbs[m], 60 + m));
+  for (int l = 0; l < layers; ++l) experts.push_back(testing::make_bf16_experts(cs[l], 50 + l));
+  std::vector<std::vector<std::vector<std::vector<float>>>> dy(layers);  // [l][m][rank]
+  for (int l = 0; l < layers; ++l)
+    for (int m = 0; m < n_mb; ++m) dy[l].push_back(make_dy(cs[l], mbs[l][m], 60 + 10 * l + m));
   // got[l][m][rank]
   std::vector<std::vector<RankGrads>> got(layers, std::vector<RankGrads>(n_mb, RankGrads(world)));
   std::vector<std::vector<std::vector<std::vector<float>>>> got_y(
       layers, std::vector<std::vector<std::vector<float>>>(
                   n_mb, std::vector<std::vector<float>>(world)));
   const Status s = run_on_local_gpus(world, [&](int rank, ncclComm_t comm) -> Status {
-    LayerConfig rc = c;
-    rc.ep_rank = rank;
-    const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
     struct PerLayer {
       std::unique_ptr<LayerCore> core;
       Poisoned w[3];
@@ -677,21 +680,33 @@ void run_schedule(const LayerConfig& c, int layers, const std::vector<CallInputs
     };
     std::vector<PerLayer> L(layers);
     std::vector<std::vector<PerCall>> calls(layers);
-    // A communicator per layer, as layers with workspaces of their own have today.
-    std::vector<ncclComm_t> comms(layers, comm);
-    for (int l = 1; l < layers; ++l)
-      if (ncclCommSplit(comm, 0, rank, &comms[l], nullptr) != ncclSuccess)
-        return Status(StatusCode::kNcclError, "ncclCommSplit");
+    std::shared_ptr<SharedWorkspace> shared;
+    if (Status e = SharedWorkspace::create(comm, &shared); !e.ok()) return e;
+    cudaStream_t streams[2] = {nullptr, nullptr};
+    EPFLOW_TRY_CUDA(cudaStreamCreateWithFlags(&streams[1], cudaStreamNonBlocking));
     struct Destroy {
-      std::vector<ncclComm_t>* comms;
-      std::vector<PerLayer>* layers;
-      ~Destroy() {
-        layers->clear();  // windows before their communicators
-        for (size_t l = 1; l < comms->size(); ++l) ncclCommDestroy((*comms)[l]);
-      }
-    } destroy{&comms, &L};
+      cudaStream_t stream;
+      ~Destroy() { cudaStreamDestroy(stream); }
+    } destroy{streams[1]};
+    int64_t T_max = 0, H_max = 0;
     for (int l = 0; l < layers; ++l) {
-      if (Status e = LayerCore::create(rc, comms[l], &L[l].core); !e.ok()) return e;
+      const LayerConfig& c = cs[l];
+      LayerConfig rc = c;
+      rc.ep_rank = rank;
+      const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
+      const SharedWorkspace::Needs before = shared->capacity();
+      if (Status e = LayerCore::create(rc, shared, &L[l].core); !e.ok()) return e;
+      // The workspace holds, per purpose, the most any of its layers needs (the window rounded
+      // up to NCCL's granularity): a layer whose needs fit adds nothing.
+      const SharedWorkspace::Needs need = L[l].core->workspace().needs(), after = shared->capacity();
+      if (after.ring != std::max(before.ring, need.ring) ||
+          after.backward != std::max(before.backward, need.backward) ||
+          after.schedule != std::max(before.schedule, need.schedule) ||
+          (need.window <= before.window ? after.window != before.window
+                                        : after.window < need.window) ||
+          L[l].core->memory().total() - shared->memory().total() != 0)
+        return error_status(StatusCode::kInternal, "layer ", l, " of rank ", rank,
+                      ": the workspace does not hold the most its layers need");
       const std::vector<float>* host_w[3] = {&experts[l][rank].gate, &experts[l][rank].up,
                                              &experts[l][rank].down};
       for (int i = 0; i < 3; ++i) {
@@ -702,8 +717,10 @@ void run_schedule(const LayerConfig& c, int layers, const std::vector<CallInputs
       calls[l] = std::vector<PerCall>(n_mb);
       for (int m = 0; m < n_mb; ++m) {
         PerCall& pc = calls[l][m];
-        const reference::RankInput& in = mbs[m][rank];
+        const reference::RankInput& in = mbs[l][m][rank];
         const int64_t T = in.num_tokens;
+        T_max = std::max(T_max, T);
+        H_max = std::max(H_max, H);
         for (auto [buf, n, bytes] :
              {std::tuple{&pc.x, T * H, size_t{2}}, {&pc.y, T * H, size_t{2}},
               {&pc.idx, T * K, size_t{4}}, {&pc.tw, T * K, size_t{4}}, {&pc.d_y, T * H, size_t{2}},
@@ -712,7 +729,7 @@ void run_schedule(const LayerConfig& c, int layers, const std::vector<CallInputs
               {&pc.ddown, E * H * I, size_t{4}},
               {&pc.context, L[l].core->saved_context_bytes(), size_t{1}}})
           if (Status e = buf->create(n, bytes); !e.ok()) return e;
-        const auto xb = testing::to_bf16(in.x), dyb = testing::to_bf16(dy[m][rank]);
+        const auto xb = testing::to_bf16(in.x), dyb = testing::to_bf16(dy[l][m][rank]);
         EPFLOW_TRY_CUDA(cudaMemcpy(pc.x.ptr, xb.data(), T * H * 2, cudaMemcpyHostToDevice));
         EPFLOW_TRY_CUDA(cudaMemcpy(pc.d_y.ptr, dyb.data(), T * H * 2, cudaMemcpyHostToDevice));
         EPFLOW_TRY_CUDA(
@@ -739,21 +756,20 @@ void run_schedule(const LayerConfig& c, int layers, const std::vector<CallInputs
       }
     }
     Poisoned scratch_y;  // an inference forward's output, not checked
-    int64_t T_max = 0;
-    for (const CallInputs& mb : mbs) T_max = std::max(T_max, mb[rank].num_tokens);
-    if (Status e = scratch_y.create(T_max * H, 2); !e.ok()) return e;
+    if (Status e = scratch_y.create(T_max * H_max, 2); !e.ok()) return e;
     for (const Step& step : steps) {
       PerCall& pc = calls[step.layer][step.mb];
       LayerCore& layer = *L[step.layer].core;
+      cudaStream_t stream = streams[step.stream];
       Status e;
       if (step.kind == StepKind::kForward) {
-        e = layer.forward(pc.f, nullptr, &pc.saved);
+        e = layer.forward(pc.f, stream, &pc.saved);
       } else if (step.kind == StepKind::kInference) {
         ForwardArgs f = pc.f;
         f.y = static_cast<__nv_bfloat16*>(scratch_y.ptr);
-        e = layer.forward(f, nullptr, nullptr);
+        e = layer.forward(f, stream, nullptr);
       } else {
-        e = layer.backward(pc.b, pc.saved, nullptr);
+        e = layer.backward(pc.b, pc.saved, stream);
       }
       if (!e.ok()) return e;
     }
@@ -777,8 +793,8 @@ void run_schedule(const LayerConfig& c, int layers, const std::vector<CallInputs
     for (int m = 0; m < n_mb; ++m) {
       std::vector<std::vector<float>> want_y;
       RankGrads want;
-      ASSERT_TRUE(reference::forward(c, mbs[m], experts[l], &want_y).ok());
-      ASSERT_TRUE(reference::backward(c, mbs[m], experts[l], dy[m], &want).ok());
+      ASSERT_TRUE(reference::forward(cs[l], mbs[l][m], experts[l], &want_y).ok());
+      ASSERT_TRUE(reference::backward(cs[l], mbs[l][m], experts[l], dy[l][m], &want).ok());
       for (int r = 0; r < world; ++r) {
         SCOPED_TRACE(::testing::Message() << "layer " << l << ", micro-batch " << m << ", rank "
                                           << r);
@@ -794,19 +810,20 @@ void run_schedule(const LayerConfig& c, int layers, const std::vector<CallInputs
 }
 
 // Forward through three layers, then their backwards in reverse (as a model runs them); and
-// the 1F1B order over two layers and two micro-batches with an inference forward in between.
+// the 1F1B order over two layers and two micro-batches with an inference forward in between,
+// some calls on a second stream.
 void contexts_in_flight(int world) {
   const LayerConfig c = small_ring_config(world, 400);
   const CallInputs a = testing::make_call(c, tokens_for(c, 300, 211), Routing::kImbalanced, 70);
   const CallInputs b = testing::make_call(c, tokens_for(c, 77, 400), Routing::kWithEmptySlots, 71);
   using K = StepKind;
-  run_schedule(c, 3, {a},
+  run_schedule({c, c, c}, {{a}, {a}, {a}},
                {{K::kForward, 0, 0}, {K::kForward, 1, 0}, {K::kForward, 2, 0},
                 {K::kBackward, 2, 0}, {K::kBackward, 1, 0}, {K::kBackward, 0, 0}});
-  run_schedule(c, 2, {a, b},
-               {{K::kForward, 0, 0}, {K::kForward, 1, 0}, {K::kForward, 0, 1},
-                {K::kBackward, 1, 0}, {K::kInference, 0, 0}, {K::kForward, 1, 1},
-                {K::kBackward, 0, 0}, {K::kBackward, 1, 1}, {K::kBackward, 0, 1}});
+  run_schedule({c, c}, {{a, b}, {a, b}},
+               {{K::kForward, 0, 0}, {K::kForward, 1, 0, 1}, {K::kForward, 0, 1},
+                {K::kBackward, 1, 0, 1}, {K::kInference, 0, 0}, {K::kForward, 1, 1, 1},
+                {K::kBackward, 0, 0}, {K::kBackward, 1, 1}, {K::kBackward, 0, 1, 1}});
 }
 
 TEST(LayerBackwardGpu, ContextsInFlightInAnyOrderEp1) {
@@ -817,6 +834,38 @@ TEST(LayerBackwardGpu, ContextsInFlightInAnyOrderEp1) {
 TEST(LayerBackwardGpu, ContextsInFlightInAnyOrderEp2) {
   EPFLOW_SKIP_WITHOUT_GPUS(2);
   contexts_in_flight(2);
+}
+
+// Layers of three shapes on one workspace, created small, large, small (the large one grows
+// the memory; the later small one fits): forwards of all, backwards in reverse with an inference
+// forward between, calls alternating between two streams.
+void shapes_share_one_workspace(int world) {
+  const LayerConfig small = small_ring_config(world, 300);
+  LayerConfig large = small_ring_config(world, 520);
+  large.hidden = small.hidden + 128;
+  large.intermediate = 320;
+  large.top_k = small.top_k + 2;
+  large.ring_rows = 512;
+  LayerConfig other = small;
+  other.num_experts = small.num_experts / 2;
+  const CallInputs s0 = testing::make_call(small, tokens_for(small, 300, 123), Routing::kImbalanced, 80);
+  const CallInputs l0 = testing::make_call(large, tokens_for(large, 100, 520), Routing::kWithEmptySlots, 81);
+  const CallInputs o0 = testing::make_call(other, tokens_for(other, 7, 250), Routing::kImbalanced, 82);
+  using K = StepKind;
+  run_schedule({small, large, other}, {{s0}, {l0}, {o0}},
+               {{K::kForward, 0, 0}, {K::kForward, 1, 0, 1}, {K::kForward, 2, 0},
+                {K::kBackward, 2, 0, 1}, {K::kInference, 0, 0}, {K::kBackward, 1, 0},
+                {K::kBackward, 0, 0, 1}});
+}
+
+TEST(LayerBackwardGpu, ShapesShareOneWorkspaceEp1) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  shapes_share_one_workspace(1);
+}
+
+TEST(LayerBackwardGpu, ShapesShareOneWorkspaceEp2) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  shapes_share_one_workspace(2);
 }
 
 // One token routed to expert 0 on a small EP=1 layer, its forward and backward arguments over

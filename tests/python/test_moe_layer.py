@@ -1,7 +1,8 @@
 # EPFlow from PyTorch on the GPU: forward and gradients against a pure-PyTorch
 # reference MoE at EP=1 (and EP=2 through torchrun when two GPUs are present), torch.compile, CUDA
 # graphs (forward, and a compiled training step), the inference op's NotImplementedError,
-# forwards in flight with backwards in any order, shared handles, activation checkpointing, a
+# forwards in flight with backwards in any order, shared handles and one workspace for layers of
+# any shape (calls on two streams), activation checkpointing, a
 # context used twice refused, NaN/Inf through the backward, and outputs filled with NaN before
 # the call written whole. Skipped,
 # with a message, where there is no CUDA device.
@@ -326,6 +327,48 @@ def test_layers_of_one_shape_share_a_handle_and_train_as_a_stack():
                                [t.grad for t in leaves]):
         err = rel_err(got, want)
         assert err <= TOL, f"{name}: rel err {err:.3e}"
+
+
+def test_layers_of_any_shape_share_one_workspace_and_streams_are_ordered():
+    # Every layer of the process group lives on one workspace: a layer of a shape that fits adds
+    # no device memory, a larger one grows it to its own needs; the layers' calls, here split
+    # over two streams, are ordered by the workspace, and each layer's gradients match its
+    # reference.
+    torch.manual_seed(4)
+    first = epflow.MoELayer(H, I, E, K, T_MAX)
+    before = epflow.workspace_memory()
+    allocated = torch.cuda.memory_allocated()
+    smaller = epflow.MoELayer(H, I, E // 2, K, T_MAX // 2)  # another shape that fits
+    assert smaller._handle_id != first._handle_id
+    assert epflow.workspace_memory() == before, "a layer that fits grew the workspace"
+    weights = sum(p.numel() * p.element_size() for p in smaller.parameters())
+    assert torch.cuda.memory_allocated() - allocated == weights, "a layer costs its weights only"
+    larger = epflow.MoELayer(H + 128, 2 * I, E, K + 2, 2 * T_MAX)
+    after = epflow.workspace_memory()
+    assert all(after[k] >= before[k] for k in before) and after != before
+    side = torch.cuda.Stream()
+    for layer, T, stream in ((smaller, 50, side), (larger, 300, None), (first, 120, side)):
+        hidden, experts, top_k = layer.hidden, layer.num_experts, layer.top_k
+        g = torch.Generator(device="cuda").manual_seed(T)
+        x = torch.randn(T, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        wt, idx = torch.rand(T, experts, device="cuda", generator=g).topk(top_k, dim=1)
+        idx, wt = idx.to(torch.int32).contiguous(), (wt / wt.sum(1, keepdim=True)).contiguous()
+        x.requires_grad_(True)
+        dy = torch.randn(T, hidden, device="cuda").to(torch.bfloat16)
+        params = (layer.w_gate, layer.w_up, layer.w_down)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            y = layer(x, idx, wt)
+            (y.float() * dy.float()).sum().backward()
+        torch.cuda.synchronize()
+        want = _reference_grads(x, idx, wt, params, dy)
+        for name, got, ref in zip(("x", "w_gate", "w_up", "w_down"),
+                                  (x.grad,) + tuple(p.grad for p in params),
+                                  (want[0],) + tuple(want[2:])):
+            err = rel_err(got, ref)
+            assert err <= TOL, f"{hidden}x{experts}: {name}: rel err {err:.3e}"
+    assert epflow.workspace_memory() == after
 
 
 def test_activation_checkpointing(layer):

@@ -1,8 +1,8 @@
-// What the calls of a layer share (and, later, every layer of a model on one communicator):
-// the communicator, the symmetric window with its layout and the peers' addresses, the
-// megakernels' rings and the backward's row buffers, the barrier epoch, the diagnostics the
-// device leaves behind, and what all of it costs (MemoryReport). Created once; a call never
-// allocates.
+// A layer's view of the workspace it shares with every layer on its communicator
+// (shared_workspace.h): its shape's window layout, runtime plan and schedule shape, and where
+// its window regions, ring and backward rows lie in the shared allocations. Created with the
+// layer (which grows the shared allocations to fit it); refresh() re-derives the pointers after
+// a later layer grew them. A call never allocates.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,6 +16,7 @@
 #include "epflow/layer.h"
 #include "epflow/status.h"
 #include "host/runtime_plan.h"
+#include "host/shared_workspace.h"
 #include "kernels/comm/lsa_shim.cuh"
 #include "kernels/layer_kernels.cuh"
 #include "kernels/moe_megakernel.cuh"
@@ -43,25 +44,13 @@ struct BackwardRows {
   float* dw_partial = nullptr;  // [rows, backward_dh_tiles(I)]
 };
 
-// Where the device says what went wrong, in host-mapped memory the host reads without touching
-// the device (a timed-out wait traps its kernel and the CUDA context with it).
-struct DeviceReports {
-  kernels::MegakernelDiagnostic* megakernel = nullptr;  // host pointer
-  kernels::MegakernelDiagnostic* megakernel_device = nullptr;
-  kernels::BarrierTimeout* barrier = nullptr;
-  kernels::BarrierTimeout* barrier_device = nullptr;
-  kernels::RoutingCheck* routing = nullptr;  // bad topk_idx slots the weighted sums found
-  kernels::RoutingCheck* routing_device = nullptr;
-  kernels::RoutingTally* routing_tally = nullptr;  // device memory: the current call's counts
-};
-
-struct Workspace {
+struct LayerWorkspace {
   LayerConfig config;
+  std::shared_ptr<SharedWorkspace> shared;
   ncclComm_t comm = nullptr;
   int32_t sm_count = 0;
   runtime::LayerPlan plan;
 
-  comm::LsaWindow window;
   kernels::WindowLayout layout;
   kernels::PeerWindows peers;
   kernels::ScheduleLaunch schedule;  // the routing schedule's shape (its buffers: SavedActivations)
@@ -72,14 +61,21 @@ struct Workspace {
   uint64_t* epoch = nullptr;                // device: the barrier epoch
   RingBuffers ring;                         // the forward megakernel's
   BackwardRows backward;                    // LayerConfig::with_backward only
+  void* inference_schedule = nullptr;       // the schedule buffer of forwards that keep nothing
   DeviceReports reports;
-  MemoryReport memory;  // symmetric, ring, schedule (epoch, counters) and backward bytes
 
-  // Collective over comm: every rank creates its workspace with the same shape (checked).
-  static Status create(const LayerConfig& config, ncclComm_t comm, std::unique_ptr<Workspace>* out);
-  ~Workspace();
+  // Collective over the shared workspace's communicator: every rank creates its layers with the
+  // same shapes in the same order (each shape checked).
+  static Status create(const LayerConfig& config, std::shared_ptr<SharedWorkspace> shared,
+                       std::unique_ptr<LayerWorkspace>* out);
 
-  char* local_window() const { return static_cast<char*>(window.local()); }
+  // The pointers into the shared allocations, again if a later layer grew them (host only).
+  void refresh() {
+    if (generation_ != shared->generation()) carve();
+  }
+  char* local_window() const { return static_cast<char*>(shared->window().local()); }
+  // The bytes this shape needs of each shared allocation.
+  SharedWorkspace::Needs needs() const;
 
   // The barrier that publishes what this rank put into its window (peers read it after it) and
   // gathers every rank's T into `tokens`.
@@ -90,18 +86,20 @@ struct Workspace {
   Status barrier_and_sum(int64_t T, const int32_t* topk_idx, const float* topk_weights,
                          bool check_routing, __nv_bfloat16* out, cudaStream_t stream);
 
-  // The megakernel's timed-out wait, else the barrier's, else ok. Host memory only.
-  Status device_failure() const;
-  // What the weighted sums found wrong in topk_idx since the last report, then cleared.
+  // The megakernel's timed-out wait, else the barrier's, else ok (any layer of the workspace).
+  // Host memory only.
+  Status device_failure() const { return shared->device_failure(); }
+  // What the weighted sums found wrong in topk_idx since the last report (calls of any layer of
+  // the workspace), then cleared.
   Status routing_report();
 
  private:
-  Workspace() = default;
-  Status allocate();
-  Status allocate_backward();
+  LayerWorkspace() = default;
+  void carve();
   kernels::BarrierArgs barrier_args(int64_t T, kernels::BarrierPhase phase) const;
-  void* local_ = nullptr;             // schedule scalars, counters and the forward ring
-  void* backward_buffers_ = nullptr;  // BackwardRows
+  uint64_t generation_ = 0;
+  size_t ring_x_bytes_ = 0, ring_h_bytes_ = 0, ring_counter_bytes_ = 0;
+  size_t backward_rows_bytes_ = 0, backward_partial_bytes_ = 0;
 };
 
 }  // namespace epflow
