@@ -31,6 +31,7 @@
 //   torch.classes.epflow.Context: one training forward's context (which layer and call made
 //       it, and whether a backward has used it).
 //   epflow::get_unique_id() -> Tensor            ncclUniqueId as uint8[128] on the CPU
+//   epflow::check_config(world, hidden, ..., with_backward)  a shape's errors, before collectives
 //   epflow::moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights,
 //                       Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor y
 //       Layer::forward on the current CUDA stream, keeping nothing (inference); y is freshly
@@ -75,6 +76,38 @@ void check_status(const epflow::Status& s, const char* what) {
 }
 
 class Handle;
+
+epflow::LayerConfig layer_config(int64_t world, int64_t rank, int64_t hidden, int64_t intermediate,
+                                 int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank,
+                                 double timeout_seconds, int64_t comm_sms, int64_t minibatch_rows,
+                                 int64_t ring_rows, bool with_backward) {
+  epflow::LayerConfig c;
+  c.hidden = hidden;
+  c.intermediate = intermediate;
+  c.num_experts = static_cast<int32_t>(num_experts);
+  c.top_k = static_cast<int32_t>(top_k);
+  c.ep_size = static_cast<int32_t>(world);
+  c.ep_rank = static_cast<int32_t>(rank);
+  c.max_tokens_per_rank = max_tokens_per_rank;
+  c.timeout_seconds = timeout_seconds;
+  c.comm_sms = static_cast<int32_t>(comm_sms);
+  c.minibatch_rows = minibatch_rows;
+  c.ring_rows = ring_rows;
+  c.with_backward = with_backward;
+  return c;
+}
+
+// A layer's config errors, with the field named, before any collective (python/epflow checks
+// a shape with it before it creates a workspace or a handle).
+void check_config(int64_t world, int64_t hidden, int64_t intermediate, int64_t num_experts,
+                  int64_t top_k, int64_t max_tokens_per_rank, double timeout_seconds,
+                  int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows,
+                  bool with_backward) {
+  check_status(epflow::validate(layer_config(world, 0, hidden, intermediate, num_experts, top_k,
+                                             max_tokens_per_rank, timeout_seconds, comm_sms,
+                                             minibatch_rows, ring_rows, with_backward)),
+               "config");
+}
 
 std::vector<int64_t> memory_list(const epflow::MemoryReport& m) {
   return {m.symmetric_bytes, m.ring_bytes, m.schedule_bytes, m.backward_bytes};
@@ -147,22 +180,12 @@ class Handle : public torch::CustomClassHolder {
          int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank, double timeout_seconds,
          int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows, bool with_backward)
       : workspace_(workspace) {
-    config_.hidden = hidden;
-    config_.intermediate = intermediate;
-    config_.num_experts = static_cast<int32_t>(num_experts);
-    config_.top_k = static_cast<int32_t>(top_k);
-    config_.max_tokens_per_rank = max_tokens_per_rank;
-    config_.timeout_seconds = timeout_seconds;
-    config_.comm_sms = static_cast<int32_t>(comm_sms);
-    config_.minibatch_rows = minibatch_rows;
-    config_.ring_rows = ring_rows;
-    config_.with_backward = with_backward;
+    config_ = layer_config(workspace->world(), workspace->rank(), hidden, intermediate,
+                           num_experts, top_k, max_tokens_per_rank, timeout_seconds, comm_sms,
+                           minibatch_rows, ring_rows, with_backward);
+    check_status(epflow::validate(config_), "config");
     device_ = workspace->device();
     c10::cuda::CUDAGuard guard(device_);
-    config_.ep_size = workspace->world();
-    config_.ep_rank = workspace->rank();
-    // Config errors before any collective, with the field named.
-    check_status(epflow::validate(config_), "config");
     check_status(epflow::Layer::create(config_, workspace->workspace(), &layer_), "Layer::create");
     std::lock_guard<std::mutex> lock(g_registry_mutex);
     id_ = g_next_id++;
@@ -464,6 +487,11 @@ TORCH_LIBRARY(epflow, m) {
       .def("saved_context_bytes", &Handle::saved_context_bytes)
       .def("__repr__", &Handle::repr);
   m.def("get_unique_id() -> Tensor", &get_unique_id);
+  m.def(
+      "check_config(int world, int hidden, int intermediate, int num_experts, int top_k, "
+      "int max_tokens_per_rank, float timeout_seconds, int comm_sms, int minibatch_rows, "
+      "int ring_rows, bool with_backward) -> ()",
+      &check_config);
   m.def(
       "moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w_gate, "
       "Tensor w_up, Tensor w_down) -> Tensor");

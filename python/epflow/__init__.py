@@ -146,6 +146,7 @@ def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank,
     key = (ranks, device.index) + shape
     if key in _HANDLES:
         return key, _HANDLES[key]
+    torch.ops.epflow.check_config(world, *shape)  # a bad shape fails before any collective
     ws = _workspace(group, ranks, world, rank, device)
     with torch.cuda.device(device):
         handle = torch.classes.epflow.Handle(ws, *shape)

@@ -12,10 +12,23 @@
 
 namespace epflow {
 
+namespace {
+
+// A config this build can run, before anything touches the device.
+Status check_supported(const LayerConfig& config) {
+  EPFLOW_RETURN_IF_ERROR(validate(config));
+  if (config.dtype != DType::kBF16)
+    return error_status(StatusCode::kNotImplemented, "dtype ", to_string(config.dtype),
+                        " is not implemented yet: only bf16");
+  return Status::ok_status();
+}
+
+}  // namespace
+
 Status LayerCore::create(const LayerConfig& config, ncclComm_t comm,
                          std::unique_ptr<LayerCore>* out) {
   if (out == nullptr) return invalid_argument("output pointer is null");
-  EPFLOW_RETURN_IF_ERROR(validate(config));
+  EPFLOW_RETURN_IF_ERROR(check_supported(config));
   std::shared_ptr<SharedWorkspace> shared;
   EPFLOW_RETURN_IF_ERROR(SharedWorkspace::create(comm, &shared));
   return create(config, std::move(shared), out);
@@ -24,10 +37,7 @@ Status LayerCore::create(const LayerConfig& config, ncclComm_t comm,
 Status LayerCore::create(const LayerConfig& config, std::shared_ptr<SharedWorkspace> workspace,
                          std::unique_ptr<LayerCore>* out) {
   if (out == nullptr) return invalid_argument("output pointer is null");
-  EPFLOW_RETURN_IF_ERROR(validate(config));
-  if (config.dtype != DType::kBF16)
-    return error_status(StatusCode::kNotImplemented, "dtype ", to_string(config.dtype),
-                        " is not implemented yet: only bf16");
+  EPFLOW_RETURN_IF_ERROR(check_supported(config));
   if (workspace == nullptr) return invalid_argument("workspace is null");
   int device = 0;
   EPFLOW_CUDA_RETURN(cudaGetDevice(&device));

@@ -177,6 +177,20 @@ TEST(LayerCreate, ReportsMissingDeviceOrCommunicator) {
   EXPECT_EQ(layer, nullptr);
 }
 
+TEST(LayerCreate, WorkspaceReportsMissingDeviceOrCommunicator) {
+  std::shared_ptr<Workspace> workspace;
+  const Status s = Workspace::create(nullptr, &workspace);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    EXPECT_EQ(s.code(), StatusCode::kNoDevice) << s.to_string();
+  } else {
+    expect_invalid(s, "communicator is null");
+  }
+  EXPECT_EQ(workspace, nullptr);
+  std::unique_ptr<Layer> layer;
+  expect_invalid(Layer::create(deepseek_v3_ep2(), workspace, &layer), "workspace is null");
+}
+
 TEST(LayerCreate, LowPrecisionModesSayNotImplemented) {
   LayerConfig c = deepseek_v3_ep2();
   c.dtype = DType::kMXFP8;

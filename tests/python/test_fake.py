@@ -66,7 +66,7 @@ def test_cpu_tensors_are_rejected():
         torch.ops.epflow.moe_forward(1, *_args())
 
 
-def test_handle_rejects_bad_config_before_any_collective():
-    uid = torch.frombuffer(bytearray(epflow._C.get_unique_id()), dtype=torch.uint8)
+def test_bad_config_is_rejected_before_any_collective():
+    # create_handle checks the shape with this before it creates a workspace or a handle.
     with pytest.raises(RuntimeError, match="hidden"):
-        torch.classes.epflow.Handle(uid, 1, 0, 0, 100, 128, 8, 2, 64, 5.0, 0, 0, 0, False)
+        torch.ops.epflow.check_config(1, 100, 128, 8, 2, 64, 5.0, 0, 0, 0, False)
