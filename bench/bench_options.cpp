@@ -310,6 +310,7 @@ std::string usage_text() {
          "  --accumulate-grads  the backward adds into the weight gradients (gradient\n"
          "               accumulation) instead of writing them\n"
          "  --backward-unfused  also time the unfused backward (separate kernels) and its stages\n"
+         "               (with it, --backward-side-sms and --check, contexts keep every row's g|u)\n"
          "  --backward-side-sms N[,N...]  also time the unfused backward with N SMs for its side\n"
          "               stream (x pull, dx push beside the GEMMs; 0: none, all in order)\n"
          "  --backward-comm-sms N[,N...]  also time the backward megakernel with N communication\n"

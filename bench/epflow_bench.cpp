@@ -1127,7 +1127,12 @@ int run_gpu(const Options& o, int devices) {
   for (const auto& name : presets) {
     const bench::Preset* p = bench::find_preset(name);  // a known name: parse_options checked
     for (int64_t T : token_list) {
-      const LayerConfig c = bench::layer_config(*p, ep, T);
+      LayerConfig c = bench::layer_config(*p, ep, T);
+      // The unfused backward reads every row's g | u from the context: with it (--check,
+      // --backward-unfused, --backward-side-sms) both backwards run with contexts that keep
+      // every row.
+      if (o.check || o.backward_unfused || !o.backward_side_sms.empty())
+        c.saved_gate_up_rows = int64_t{1} << 40;
       if (o.check) {
         const double macs = double(ep) * T * c.top_k * 3.0 * c.hidden * c.intermediate;
         if (macs > 2e10) {

@@ -113,6 +113,11 @@ Status UnfusedBackward::create(const LayerWorkspace& ws, int32_t side_sms,
                                std::unique_ptr<UnfusedBackward>* out) {
   if (!ws.config.with_backward)
     return invalid_argument("the unfused backward needs a layer created with_backward");
+  if (ws.plan.saved_gate_up_rows < ws.max_rows)
+    return invalid_argument("the unfused backward reads every routed row's g | u from the "
+                            "context: it needs LayerConfig::saved_gate_up_rows >= the pull "
+                            "table's ", ws.max_rows, " rows (it has ", ws.plan.saved_gate_up_rows,
+                            ")");
   if (side_sms < 0 || side_sms >= ws.sm_count / 2)
     return invalid_argument("backward side SMs (", side_sms, ") must be in [0, ",
                             ws.sm_count / 2, ")");

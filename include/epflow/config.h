@@ -50,6 +50,10 @@ struct LayerConfig {
   int32_t comm_sms = 0;        // SMs of the megakernel's communication partition
   int64_t minibatch_rows = 0;  // routed rows handed to compute at once (multiple of the tile height)
   int64_t ring_rows = 0;       // capacity of the routed-token ring buffer, in rows
+  // Training: routed rows whose gate/up pre-activations a SavedContext keeps (rounded up to the
+  // tile height; 0: balanced routing plus a margin, runtime_plan.h). The backward recomputes
+  // the rest from the x rows, on the device: any routing works, one past it costs a GEMM.
+  int64_t saved_gate_up_rows = 0;
 
   // Every wait on another SM or GPU gives up after this long with a diagnostic.
   double timeout_seconds = 5.0;

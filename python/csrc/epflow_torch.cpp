@@ -7,7 +7,7 @@
 //     .memory() -> [symmetric, ring, schedule, backward] bytes it holds.
 //   torch.classes.epflow.Handle(workspace, hidden, intermediate, num_experts, top_k,
 //                               max_tokens_per_rank, timeout_seconds, comm_sms, minibatch_rows,
-//                               ring_rows, with_backward)
+//                               ring_rows, saved_gate_up_rows, with_backward)
 //       one epflow::Layer of this shape on the workspace (with_backward:
 //       LayerConfig::with_backward, what training needs). Layers of one shape share a handle
 //       (python/epflow); every call of every handle on a workspace runs in stream order.
@@ -80,7 +80,8 @@ class Handle;
 epflow::LayerConfig layer_config(int64_t world, int64_t rank, int64_t hidden, int64_t intermediate,
                                  int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank,
                                  double timeout_seconds, int64_t comm_sms, int64_t minibatch_rows,
-                                 int64_t ring_rows, bool with_backward) {
+                                 int64_t ring_rows, int64_t saved_gate_up_rows,
+                                 bool with_backward) {
   epflow::LayerConfig c;
   c.hidden = hidden;
   c.intermediate = intermediate;
@@ -93,6 +94,7 @@ epflow::LayerConfig layer_config(int64_t world, int64_t rank, int64_t hidden, in
   c.comm_sms = static_cast<int32_t>(comm_sms);
   c.minibatch_rows = minibatch_rows;
   c.ring_rows = ring_rows;
+  c.saved_gate_up_rows = saved_gate_up_rows;
   c.with_backward = with_backward;
   return c;
 }
@@ -102,10 +104,11 @@ epflow::LayerConfig layer_config(int64_t world, int64_t rank, int64_t hidden, in
 void check_config(int64_t world, int64_t hidden, int64_t intermediate, int64_t num_experts,
                   int64_t top_k, int64_t max_tokens_per_rank, double timeout_seconds,
                   int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows,
-                  bool with_backward) {
+                  int64_t saved_gate_up_rows, bool with_backward) {
   check_status(epflow::validate(layer_config(world, 0, hidden, intermediate, num_experts, top_k,
                                              max_tokens_per_rank, timeout_seconds, comm_sms,
-                                             minibatch_rows, ring_rows, with_backward)),
+                                             minibatch_rows, ring_rows, saved_gate_up_rows,
+                                             with_backward)),
                "config");
 }
 
@@ -178,11 +181,12 @@ class Handle : public torch::CustomClassHolder {
  public:
   Handle(const c10::intrusive_ptr<Workspace>& workspace, int64_t hidden, int64_t intermediate,
          int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank, double timeout_seconds,
-         int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows, bool with_backward)
+         int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows, int64_t saved_gate_up_rows,
+         bool with_backward)
       : workspace_(workspace) {
     config_ = layer_config(workspace->world(), workspace->rank(), hidden, intermediate,
                            num_experts, top_k, max_tokens_per_rank, timeout_seconds, comm_sms,
-                           minibatch_rows, ring_rows, with_backward);
+                           minibatch_rows, ring_rows, saved_gate_up_rows, with_backward);
     check_status(epflow::validate(config_), "config");
     device_ = workspace->device();
     c10::cuda::CUDAGuard guard(device_);
@@ -477,7 +481,7 @@ TORCH_LIBRARY(epflow, m) {
       .def("memory", &Workspace::memory);
   m.class_<Handle>("Handle")
       .def(torch::init<c10::intrusive_ptr<Workspace>, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       double, int64_t, int64_t, int64_t, bool>())
+                       double, int64_t, int64_t, int64_t, int64_t, bool>())
       .def("id", &Handle::id)
       .def("forward_train", &Handle::forward_train)
       .def("backward", &Handle::backward)
@@ -490,7 +494,7 @@ TORCH_LIBRARY(epflow, m) {
   m.def(
       "check_config(int world, int hidden, int intermediate, int num_experts, int top_k, "
       "int max_tokens_per_rank, float timeout_seconds, int comm_sms, int minibatch_rows, "
-      "int ring_rows, bool with_backward) -> ()",
+      "int ring_rows, int saved_gate_up_rows, bool with_backward) -> ()",
       &check_config);
   m.def(
       "moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w_gate, "

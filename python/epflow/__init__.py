@@ -118,7 +118,7 @@ def _workspace(group, ranks, world, rank, device):
 
 def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *, group=None,
                   device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0, ring_rows=0,
-                  with_backward=False):
+                  saved_gate_up_rows=0, with_backward=False):
     """Returns (key, handle) for this shape on this process group, creating it once: the layers
     of one shape share it. Every handle of a process group on a device lives on one workspace
     (one NCCL communicator, one symmetric window, one ring and one set of backward buffers,
@@ -142,7 +142,7 @@ def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank,
     group, ranks, world, rank = _group_info(group)
     shape = (int(hidden), int(intermediate), int(num_experts), int(top_k),
              int(max_tokens_per_rank), float(timeout_seconds), int(comm_sms),
-             int(minibatch_rows), int(ring_rows), bool(with_backward))
+             int(minibatch_rows), int(ring_rows), int(saved_gate_up_rows), bool(with_backward))
     key = (ranks, device.index) + shape
     if key in _HANDLES:
         return key, _HANDLES[key]
@@ -252,32 +252,37 @@ class MoELayer(nn.Module):
     same number of times (each call is collective); T may differ per rank, up to
     max_tokens_per_rank.
 
-    Layers of the same shape on the same group share one handle: one NCCL communicator and one
-    set of EPFlow buffers (Handle.memory()), so an extra layer costs its parameters. Their calls
-    are ordered by the stream they run on: run them on one stream.
+    Every layer of a group lives on one workspace per device (one NCCL communicator, one set
+    of EPFlow buffers sized to the largest layer: epflow.workspace_memory()), and layers of one
+    shape share one handle, so an extra layer costs its parameters. Calls of all of them run one
+    at a time: a call on another stream waits for the previous call (an event, no host sync).
 
     backward=True (default): the layer can train (its handle has the backward's buffers). With
     gradients enabled, each forward keeps a context of Handle.saved_context_bytes() bytes from
     PyTorch's allocator, freed with the autograd graph: any number of forwards may be in flight
     (micro-batches, pipeline schedules) and their backwards may run in any order; activation
     checkpointing composes. A context serves one backward (backward(retain_graph=True) twice is
-    refused). backward=False: inference only.
+    refused). It keeps the gate/up pre-activations of up to saved_gate_up_rows routed rows (0:
+    what balanced routing brings, plus 25%; every row at EP = 1); the backward recomputes the
+    rest on the GPU, so any routing works and one past the bound costs a GEMM. backward=False:
+    inference only.
 
     grad_accumulation_fusion=True: the backward adds the expert weights' gradients in place, into
     each parameter's `main_grad` (Megatron-Core's fp32 buffer) where it has one, else into its
-    `.grad` (written by the first backward), and gives autograd none for them: no separate pass over every
-    expert weight per micro-batch. Use it with loss.backward(): hooks on the expert weights do
+    `.grad` (written by the first backward), and gives autograd none for them: no separate pass
+    over every expert weight per micro-batch. Use it with loss.backward(): hooks on the expert weights do
     not see these gradients and torch.autograd.grad does not return them.
     """
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *,
                  group=None, device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0,
-                 ring_rows=0, backward=True, grad_accumulation_fusion=False):
+                 ring_rows=0, saved_gate_up_rows=0, backward=True, grad_accumulation_fusion=False):
         super().__init__()
         self._key, handle = create_handle(
             hidden, intermediate, num_experts, top_k, max_tokens_per_rank, group=group,
             device=device, timeout_seconds=timeout_seconds, comm_sms=comm_sms,
-            minibatch_rows=minibatch_rows, ring_rows=ring_rows, with_backward=backward)
+            minibatch_rows=minibatch_rows, ring_rows=ring_rows,
+            saved_gate_up_rows=saved_gate_up_rows, with_backward=backward)
         self._handle_id = int(handle.id())
         self._backward = bool(backward)
         self._fuse_grads = bool(grad_accumulation_fusion)

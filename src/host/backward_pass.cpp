@@ -7,6 +7,7 @@
 #include "host/saved_activations.h"
 #include "host/layer_workspace.h"
 #include "kernels/expert_wgrad.cuh"
+#include "kernels/gate_up_recompute.cuh"
 
 namespace epflow {
 
@@ -26,6 +27,43 @@ Status push_router_weight_grads(const LayerWorkspace& ws, const SavedActivations
   rw.n_tiles = kernels::backward_dh_tiles(c.intermediate);
   rw.max_rows = ws.max_rows;
   EPFLOW_CUDA_RETURN(kernels::launch_router_weight_grad(rw, stream));
+  return Status::ok_status();
+}
+
+// g | u of the rows the context does not keep (the table's rows from plan.saved_gate_up_rows
+// on), before the megakernel reads them: their x rows into the backward's x buffer (the
+// megakernel pulls them there again for the weight gradients), then the gate/up GEMM of those
+// rows. Both launch over the table's capacity and find the call's rows on the device.
+Status recompute_gate_up_overflow(const LayerWorkspace& ws, const SavedActivations& acts,
+                                  const ExpertWeights& weights, cudaStream_t stream) {
+  const LayerConfig& c = ws.config;
+  const int64_t first = ws.plan.saved_gate_up_rows;
+  if (first >= ws.max_rows) return Status::ok_status();
+  kernels::RowGatherArgs g;
+  g.peers = ws.peers;
+  g.src_offset = ws.layout.x;
+  g.top_k = c.top_k;
+  g.table = acts.schedule.table;
+  g.seg_offset = acts.schedule.seg_offset;
+  g.experts = c.experts_per_rank();
+  g.hidden = c.hidden;
+  g.first_row = first;
+  g.max_rows = ws.max_rows;
+  g.rows = ws.backward.x;
+  EPFLOW_CUDA_RETURN(kernels::launch_row_gather(g, ws.sm_count, stream));
+  kernels::GateUpRecomputeArgs r;
+  r.seg_offset = acts.schedule.seg_offset;
+  r.expert_rows = acts.schedule.expert_rows;
+  r.experts = c.experts_per_rank();
+  r.hidden = c.hidden;
+  r.intermediate = c.intermediate;
+  r.first_row = first;
+  r.max_rows = ws.max_rows;
+  r.rows = ws.backward.x;
+  r.w_gate = weights.gate;
+  r.w_up = weights.up;
+  r.out = ws.backward.gate_up_overflow;
+  EPFLOW_CUDA_RETURN(kernels::launch_gate_up_recompute(r, ws.sm_count, stream));
   return Status::ok_status();
 }
 
@@ -62,7 +100,8 @@ Status weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
 // Weight gradients after the megakernel and before the barrier (which waits for the slowest
 // rank's pushes): a rank whose megakernel ended first computes them meanwhile.
 std::vector<const char*> FusedBackward::stage_names() const {
-  return {"megakernel (dy, x pull; dhp + SwiGLU bwd; dx push)", "d topk_weights",
+  return {"g|u past the context (x gather, GEMM)",
+          "megakernel (dy, x pull; dhp + SwiGLU bwd; dx push)", "d topk_weights",
           "weight gradients"};
 }
 
@@ -70,6 +109,8 @@ Status FusedBackward::run(LayerWorkspace& ws, const SavedActivations& acts,
                           const ExpertWeights& weights, const BackwardArgs& args,
                           cudaStream_t stream, PassHooks* hooks) {
   const BackwardRows& b = ws.backward;
+  EPFLOW_RETURN_IF_ERROR(recompute_gate_up_overflow(ws, acts, weights, stream));
+  EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
   EPFLOW_CUDA_RETURN(cudaMemsetAsync(b.ring.counters, 0, b.ring.counter_bytes, stream));
   kernels::MegakernelArgs m = megakernel_args(ws, acts, weights, hooks, stream);
   m.x_offset = ws.layout.dy;
@@ -79,6 +120,8 @@ Status FusedBackward::run(LayerWorkspace& ws, const SavedActivations& acts,
   m.counters = b.ring.counters;
   m.comm_ctas = comm_sms_;
   m.gate_up_in = acts.gate_up;
+  m.gate_up_rows = ws.plan.saved_gate_up_rows;
+  m.gate_up_overflow = b.gate_up_overflow;
   m.weights_offset = ws.layout.topk_weights;
   m.wh_out = b.wh;
   m.dw_partial = b.dw_partial;

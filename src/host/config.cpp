@@ -63,6 +63,9 @@ Status validate(const LayerConfig& c) {
     return invalid_argument("minibatch_rows (", c.minibatch_rows, ") must be >= 0 (0 = auto)");
   if (c.ring_rows < 0)
     return invalid_argument("ring_rows (", c.ring_rows, ") must be >= 0 (0 = auto)");
+  if (c.saved_gate_up_rows < 0)
+    return invalid_argument("saved_gate_up_rows (", c.saved_gate_up_rows,
+                            ") must be >= 0 (0 = auto)");
   if (!(c.timeout_seconds > 0.0))
     return invalid_argument("timeout_seconds (", c.timeout_seconds, ") must be positive");
   return Status::ok_status();

@@ -47,7 +47,10 @@ Status FusedForward::run(LayerWorkspace& ws, SavedActivations& acts, const Exper
   m.ring_h = ws.ring.h;
   m.counters = ws.ring.counters;
   m.comm_ctas = ws.plan.comm_sms;
-  if (keep_for_backward) m.gate_up_out = acts.gate_up;
+  if (keep_for_backward) {
+    m.gate_up_out = acts.gate_up;
+    m.gate_up_rows = ws.plan.saved_gate_up_rows;
+  }
   EPFLOW_CUDA_RETURN(kernels::launch_forward_megakernel(m, ws.sm_count, stream));
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
   return Status::ok_status();

@@ -96,6 +96,8 @@ Status LayerWorkspace::create(const LayerConfig& config, std::shared_ptr<SharedW
     ws->backward_partial_bytes_ = aligned(sizeof(float) * rows * kernels::backward_dh_tiles(I));
     b.ring.counter_bytes =
         kernels::megakernel_counter_bytes(static_cast<int32_t>(rows / kTileRows), ws->sm_count);
+    ws->overflow_bytes_ =
+        aligned(sizeof(__nv_bfloat16) * (ws->max_rows - ws->plan.saved_gate_up_rows) * 2 * I);
   }
   EPFLOW_RETURN_IF_ERROR(ws->shared->reserve(ws->needs()));
   ws->carve();
@@ -108,7 +110,8 @@ SharedWorkspace::Needs LayerWorkspace::needs() const {
   n.window = layout.bytes;
   n.ring = ring_counter_bytes_ + ring_x_bytes_ + ring_h_bytes_;
   if (config.with_backward)
-    n.backward = backward_rows_bytes_ + backward_partial_bytes_ + aligned(backward.ring.counter_bytes);
+    n.backward = backward_rows_bytes_ + backward_partial_bytes_ +
+                 aligned(backward.ring.counter_bytes) + overflow_bytes_;
   n.schedule = static_cast<size_t>(SavedActivations::bytes(*this, /*with_gate_up=*/false));
   return n;
 }
@@ -138,6 +141,12 @@ void LayerWorkspace::carve() {
     b.dw_partial = reinterpret_cast<float*>(base + backward_rows_bytes_);
     b.ring.counters =
         reinterpret_cast<uint32_t*>(base + backward_rows_bytes_ + backward_partial_bytes_);
+    b.gate_up_overflow =
+        overflow_bytes_ == 0
+            ? nullptr
+            : reinterpret_cast<__nv_bfloat16*>(base + backward_rows_bytes_ +
+                                               backward_partial_bytes_ +
+                                               aligned(b.ring.counter_bytes));
   }
   inference_schedule = s.schedule();
   generation_ = s.generation();

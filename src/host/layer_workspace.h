@@ -42,6 +42,9 @@ struct BackwardRows {
   __nv_bfloat16* x = nullptr;   // [rows, H]
   __nv_bfloat16* wh = nullptr;  // [rows, I]
   float* dw_partial = nullptr;  // [rows, backward_dh_tiles(I)]
+  // [max_rows - plan.saved_gate_up_rows, 2I]: g | u of the rows past what contexts keep,
+  // recomputed by each backward (null when contexts keep every row).
+  __nv_bfloat16* gate_up_overflow = nullptr;
 };
 
 struct LayerWorkspace {
@@ -99,7 +102,7 @@ struct LayerWorkspace {
   kernels::BarrierArgs barrier_args(int64_t T, kernels::BarrierPhase phase) const;
   uint64_t generation_ = 0;
   size_t ring_x_bytes_ = 0, ring_h_bytes_ = 0, ring_counter_bytes_ = 0;
-  size_t backward_rows_bytes_ = 0, backward_partial_bytes_ = 0;
+  size_t backward_rows_bytes_ = 0, backward_partial_bytes_ = 0, overflow_bytes_ = 0;
 };
 
 }  // namespace epflow

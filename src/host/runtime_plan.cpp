@@ -34,6 +34,13 @@ int32_t default_backward_comm_sms(const LayerConfig& c, int32_t sm_count) {
   return comm_sms_for(c, sm_count, 2.0);
 }
 
+int64_t default_saved_gate_up_rows(const LayerConfig& c, int64_t table_rows) {
+  const double balanced = static_cast<double>(c.max_tokens_per_rank) * c.top_k;
+  const int64_t rows = static_cast<int64_t>(balanced * (1.0 + kSavedRowsMargin)) +
+                       int64_t{c.experts_per_rank()} * kTileRows;
+  return std::min(sched::round_up(rows, kTileRows), table_rows);
+}
+
 Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   if (Status s = validate(c); !s.ok()) return s;
   LayerPlan p;
@@ -69,6 +76,11 @@ Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   // straight from the down GEMM's registers to the owner's combine slot).
   p.ring_bytes = p.ring_rows * (c.hidden + c.intermediate) * 2;
   p.backward_comm_sms = std::min(default_backward_comm_sms(c, sm_count), sm_count - 1);
+  const int64_t table_rows = sched::round_up(p.max_routed_rows, p.tile.m);
+  p.saved_gate_up_rows =
+      c.saved_gate_up_rows > 0
+          ? std::min(sched::round_up(c.saved_gate_up_rows, p.tile.m), table_rows)
+          : default_saved_gate_up_rows(c, table_rows);
   *plan = p;
   return Status::ok_status();
 }

@@ -27,7 +27,17 @@ struct LayerPlan {
   int64_t max_routed_rows = 0;  // pull-table capacity: every slot of every rank, plus padding
   int64_t ring_bytes = 0;       // routed x rows + SwiGLU intermediates (bf16)
   int32_t backward_comm_sms = 0;  // backward megakernel: communication partition
+  // Pull-table rows whose g | u a SavedContext keeps (multiple of tile.m, <= the capacity
+  // rounded to the tile); the backward recomputes the rows past it.
+  int64_t saved_gate_up_rows = 0;
 };
+
+// Default rows of kept g | u: what balanced routing brings a rank (T_max·K: every rank sends
+// T_max·K rows spread over the ranks) plus kSavedRowsMargin of it and one tile of padding per
+// local expert; never more than the pull table. At EP = 1 that is the whole table (every
+// routed row is this rank's); at EP = w it is about 1.25 / w of it.
+inline constexpr double kSavedRowsMargin = 0.25;
+int64_t default_saved_gate_up_rows(const LayerConfig& config, int64_t table_rows);
 
 // Default communication SMs: enough pull bandwidth to feed the compute partition. A routed row
 // brings 2·H bytes and costs 6·H·I FLOPs of GEMM, so C compute SMs at R_gemm each consume

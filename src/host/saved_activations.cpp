@@ -21,7 +21,8 @@ int64_t SavedActivations::schedule_bytes(const LayerWorkspace& ws) {
 }
 
 int64_t SavedActivations::bytes(const LayerWorkspace& ws, bool with_gate_up) {
-  const int64_t gate_up = sizeof(__nv_bfloat16) * ws.max_rows * 2 * ws.config.intermediate;
+  const int64_t gate_up =
+      sizeof(__nv_bfloat16) * ws.plan.saved_gate_up_rows * 2 * ws.config.intermediate;
   return schedule_bytes(ws) + (with_gate_up ? aligned(gate_up) : 0);
 }
 

@@ -1,8 +1,8 @@
 // What a forward keeps for its backward: the routing schedule of the call (pull table, segments,
-// per-expert rows; the backward runs on the same rows) and, when the forward keeps them, every
-// routed row's gate/up pre-activations g | u. A view over memory someone else owns: a
-// SavedContext's buffer (training forwards), or the layer's own (inference forwards: schedule
-// only).
+// per-expert rows; the backward runs on the same rows) and, when the forward keeps them, the
+// routed rows' gate/up pre-activations g | u up to plan.saved_gate_up_rows rows. A view over
+// memory someone else owns: a SavedContext's buffer (training forwards), or the workspace's
+// (inference forwards: schedule only).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -19,7 +19,9 @@ struct LayerWorkspace;
 
 struct SavedActivations {
   kernels::ScheduleBuffers schedule;
-  __nv_bfloat16* gate_up = nullptr;  // [ws.max_rows, 2I] in pull-table order, or null
+  // [ws.plan.saved_gate_up_rows, 2I] in pull-table order (the first rows of the table; the
+  // backward recomputes the rest), or null.
+  __nv_bfloat16* gate_up = nullptr;
 
   // Alignment of a buffer carve() takes, and of each part inside it.
   static constexpr int64_t kAlignment = 256;

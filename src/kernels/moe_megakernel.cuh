@@ -94,10 +94,14 @@ struct MegakernelArgs {
   int64_t timeout_ns = 0;
   MegakernelDiagnostic* diagnostic = nullptr;  // host-mapped
   MegakernelTraceRecord* trace = nullptr;      // optional: [grid][kTraceRecordsPerCta]
-  // Forward, optional (training): [pull-table rows, 2I], each routed row's g | u (bf16).
+  // Forward, optional (training): [gate_up_rows, 2I], the g | u (bf16) of the routed rows of
+  // the pull table's first gate_up_rows rows (a multiple of the tile); later rows keep nothing.
   __nv_bfloat16* gate_up_out = nullptr;
+  int64_t gate_up_rows = 0;
   // Backward only.
-  const __nv_bfloat16* gate_up_in = nullptr;  // the forward's gate_up_out
+  const __nv_bfloat16* gate_up_in = nullptr;  // the forward's gate_up_out (gate_up_rows rows)
+  // [pull-table rows - gate_up_rows, 2I]: the later rows' g | u, recomputed before the launch.
+  const __nv_bfloat16* gate_up_overflow = nullptr;
   size_t weights_offset = 0;    // window offset of the owners' router weights [T, K] (fp32)
   __nv_bfloat16* wh_out = nullptr;   // [ring rows, I]: w·h (the down weight gradient's rhs)
   float* dw_partial = nullptr;       // [ring rows, backward_dh_tiles(I)]: <dhp, h> per n tile

@@ -430,6 +430,51 @@ void captured_in_cuda_graph(int world) {
   run_and_check(c, testing::make_call(c, tokens, Routing::kWithEmptySlots, 11), graph);
 }
 
+// Contexts that keep g | u for only the pull table's first tile (LayerConfig::
+// saved_gate_up_rows): the backward recomputes the other rows' from their gathered x rows. A hot
+// expert, every token on one expert, empty slots, token counts off the tile, I = 320 (a partial
+// n tile of each matrix), and a captured graph; against the reference, and bitwise equal to
+// the backward of contexts that keep every row (the recomputed values are the forward's).
+void contexts_keeping_few_rows(int world) {
+  LayerConfig all = small_ring_config(world, 500);
+  all.intermediate = 320;
+  all.saved_gate_up_rows = int64_t{1} << 40;  // the whole table
+  LayerConfig few = all;
+  few.saved_gate_up_rows = 100;  // rounded up to one tile
+  const struct {
+    std::vector<int64_t> tokens;
+    Routing routing;
+    uint64_t seed;
+  } cases[] = {{tokens_for(all, 500, 333), Routing::kImbalanced, 20},
+               {tokens_for(all, 129, 500), Routing::kSingleExpert, 21},
+               {tokens_for(all, 77, 1), Routing::kWithEmptySlots, 22}};
+  for (const auto& k : cases) {
+    SCOPED_TRACE(::testing::Message() << "routing seed " << k.seed);
+    const CallInputs in = testing::make_call(all, k.tokens, k.routing, k.seed);
+    run_and_check(few, in);
+    const auto experts = testing::make_bf16_experts(all, 9);
+    const auto dy = make_dy(all, in, 9);
+    RankGrads kept, recomputed;
+    const Status a = run_backward(all, experts, in, dy, {}, &kept);
+    ASSERT_TRUE(a.ok()) << a.to_string();
+    const Status b = run_backward(few, experts, in, dy, {}, &recomputed);
+    ASSERT_TRUE(b.ok()) << b.to_string();
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(kept[r].dx, recomputed[r].dx) << "rank " << r << ": dx";
+      EXPECT_EQ(kept[r].d_topk_weights, recomputed[r].d_topk_weights) << "rank " << r;
+      EXPECT_EQ(kept[r].d_gate, recomputed[r].d_gate) << "rank " << r << ": d W_gate";
+      EXPECT_EQ(kept[r].d_up, recomputed[r].d_up) << "rank " << r << ": d W_up";
+      EXPECT_EQ(kept[r].d_down, recomputed[r].d_down) << "rank " << r << ": d W_down";
+    }
+  }
+  GradOptions graph;
+  graph.check_graph = true;
+  run_and_check(few, testing::make_call(few, tokens_for(few, 400, 211), Routing::kImbalanced, 23),
+                graph);
+}
+
+EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, ContextsKeepingFewRowsRecomputeTheRest,
+                         contexts_keeping_few_rows)
 EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, RingWrapAndIntermediateTail,
                          ring_wrap_and_intermediate_tail)
 EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, UnfusedBackwardWithAndWithoutSideStream,

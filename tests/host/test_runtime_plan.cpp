@@ -75,6 +75,32 @@ TEST(RuntimePlan, HonoursExplicitKnobs) {
   EXPECT_EQ(p.ring_rows, 2048);
 }
 
+// Kept g | u rows: balanced routing plus the margin and a tile per expert (EP = 2: about
+// 5/8 of the table), the whole table at EP = 1 (every routed row is this rank's), a knob
+// rounded up to the tile and capped at the table.
+TEST(RuntimePlan, SavedGateUpRows) {
+  LayerConfig c = deepseek_v3_ep2();  // 8192 tokens, top-8, 32 experts per rank
+  LayerPlan p;
+  ASSERT_TRUE(make_plan(c, 132, &p).ok());
+  const int64_t table = (p.max_routed_rows + 127) / 128 * 128;
+  EXPECT_EQ(p.saved_gate_up_rows, (8192 * 8 * 5 / 4 + 32 * 128 + 127) / 128 * 128);
+  EXPECT_LT(p.saved_gate_up_rows, table * 3 / 4);
+  c.ep_size = 1;
+  c.ep_rank = 0;
+  c.num_experts = 32;
+  ASSERT_TRUE(make_plan(c, 132, &p).ok());
+  EXPECT_EQ(p.saved_gate_up_rows, (p.max_routed_rows + 127) / 128 * 128);
+  c = deepseek_v3_ep2();
+  c.saved_gate_up_rows = 1000;
+  ASSERT_TRUE(make_plan(c, 132, &p).ok());
+  EXPECT_EQ(p.saved_gate_up_rows, 1024);
+  c.saved_gate_up_rows = int64_t{1} << 40;
+  ASSERT_TRUE(make_plan(c, 132, &p).ok());
+  EXPECT_EQ(p.saved_gate_up_rows, table);
+  c.saved_gate_up_rows = -1;
+  EXPECT_NE(make_plan(c, 132, &p).message().find("saved_gate_up_rows (-1)"), std::string::npos);
+}
+
 TEST(RuntimePlan, RejectsKnobsThatDoNotFit) {
   LayerPlan p;
   LayerConfig c = deepseek_v3_ep2();

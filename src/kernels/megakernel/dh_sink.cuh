@@ -19,7 +19,8 @@ namespace epflow::kernels::megakernel {
 
 // Backward dhp tiles (dhp = dy W_down): the SwiGLU and router-weight backward in the epilogue,
 // straight from the accumulators. Per routed row (its table row is its ring row: the backward's
-// ring does not wrap) and column i of the tile, from the forward's kept g | u and the row's
+// ring does not wrap) and column i of the tile, from the forward's kept g | u (the recomputed
+// overflow for rows past what the context keeps) and the row's
 // router weight w (read from its owner's window before the mainloop): h = silu(g) u rounded as
 // the forward stored it, w·h (the down weight gradient's rhs), dg = w dhp u silu'(g) and
 // du = w dhp silu(g) (the dx GEMM's rows), 16 bytes per lane (quad_gather_block); and the row's
@@ -57,7 +58,10 @@ struct DhSink {
       w[half] = 0.0f;
       gu[half] = nullptr;
       if (row[half] - tile.a_row < tile.rows) {
-        gu[half] = a->gate_up_in + row[half] * 2 * I + col0;
+        gu[half] = (row[half] < a->gate_up_rows
+                        ? a->gate_up_in + row[half] * 2 * I
+                        : a->gate_up_overflow + (row[half] - a->gate_up_rows) * 2 * I) +
+                   col0;
         const sched::PullRow r = a->table[row[half]];
         w[half] = *reinterpret_cast<const float*>(a->peers.base[r.src_rank] + a->weights_offset +
                                                   int64_t{r.src_slot} * sizeof(float));

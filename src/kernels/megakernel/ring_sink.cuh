@@ -61,9 +61,10 @@ struct RingSink {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = wg * 64 + warp * 16 + g + 8 * half;
-      dst[half] = row < c.rows ? a->gate_up_out + (int64_t{c.m_tile} * kTileRows + row) * 2 * I +
-                                     int64_t{c.n_tile} * kHalfCols
-                               : nullptr;
+      const int64_t table_row = int64_t{c.m_tile} * kTileRows + row;
+      dst[half] = row < c.rows && table_row < a->gate_up_rows
+                      ? a->gate_up_out + table_row * 2 * I + int64_t{c.n_tile} * kHalfCols
+                      : nullptr;
     }
 #pragma unroll
     for (int part = 0; part < 2; ++part) {  // gate into [0, I), up into [I, 2I)
