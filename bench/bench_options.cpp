@@ -179,6 +179,8 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
       o->backward_unfused = true;
     } else if (flag == "--accumulate-grads") {
       o->accumulate_grads = true;
+    } else if (flag == "--saved-gate-up-rows") {
+      o->saved_gate_up_rows = whole_numbers(value(), 1, kInt64Max).at(0);
     } else if (flag == "--preset") {
       o->presets = names_of(value(), preset_names());
     } else if (flag == "--tokens") {
@@ -244,6 +246,7 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
     if (!o->backward_comm_sms.empty()) fail("--backward-comm-sms needs --backward");
     if (grad_dtype_given) fail("--grad-dtype needs --backward");
     if (o->accumulate_grads) fail("--accumulate-grads needs --backward");
+    if (o->saved_gate_up_rows > 0) fail("--saved-gate-up-rows needs --backward");
   }
   if (!o->json.empty())
     if (const std::string why = file_unwritable(o->json); !why.empty())
@@ -289,7 +292,8 @@ std::string usage_text() {
          "                    [--json PATH] [--baselines LIST] [--check] [--comm-sms N[,N...]]\n"
          "                    [--minibatch-rows R[,R...]] [--ring-rows R[,R...]] [--trace PREFIX]\n"
          "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
-         "                    [--grad-dtype bf16|fp32] [--accumulate-grads] [--backward-unfused]\n"
+         "                    [--grad-dtype bf16|fp32] [--accumulate-grads] [--saved-gate-up-rows N]\n"
+         "                    [--backward-unfused]\n"
          "                    [--backward-side-sms N[,N...]] [--backward-comm-sms N[,N...]]\n"
          "  --preset     model shapes (default deepseek-v3 on GPUs, tiny on the CPU reference):\n"
          + wrapped(preset_names()) +
@@ -309,6 +313,8 @@ std::string usage_text() {
          "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"
          "  --accumulate-grads  the backward adds into the weight gradients (gradient\n"
          "               accumulation) instead of writing them\n"
+         "  --saved-gate-up-rows N  rows of g|u a forward's context keeps (default: balanced\n"
+         "               routing + 25%); the backward recomputes the rest\n"
          "  --backward-unfused  also time the unfused backward (separate kernels) and its stages\n"
          "               (with it, --backward-side-sms and --check, contexts keep every row's g|u)\n"
          "  --backward-side-sms N[,N...]  also time the unfused backward with N SMs for its side\n"

@@ -43,6 +43,9 @@ struct Options {
   // --accumulate-grads: the backward adds into the weight gradients (accumulate_weight_grads, as
   // gradient accumulation over micro-batches runs it) instead of writing them.
   bool accumulate_grads = false;
+  // --saved-gate-up-rows: LayerConfig::saved_gate_up_rows (0: the default; rows past it are
+  // recomputed by the backward).
+  int64_t saved_gate_up_rows = 0;
   // --backward-unfused: the unfused backward too (separate kernels; its stages).
   bool backward_unfused = false;
   // --backward-side-sms: the unfused backward again with each of these side-stream SM counts.

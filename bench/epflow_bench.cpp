@@ -1128,6 +1128,7 @@ int run_gpu(const Options& o, int devices) {
     const bench::Preset* p = bench::find_preset(name);  // a known name: parse_options checked
     for (int64_t T : token_list) {
       LayerConfig c = bench::layer_config(*p, ep, T);
+      c.saved_gate_up_rows = o.saved_gate_up_rows;
       // The unfused backward reads every row's g | u from the context: with it (--check,
       // --backward-unfused, --backward-side-sms) both backwards run with contexts that keep
       // every row.
@@ -1390,8 +1391,9 @@ int run_gpu(const Options& o, int devices) {
           std::printf("    its stages (us, slowest rank):%s\n",
                       stages_text(b.backward_stage_names, b.backward_stage_us).c_str());
           std::printf("    memory (GB): backward rows %.2f, layer total %.2f; a forward's "
-                      "context (schedule, g|u) %.2f\n",
+                      "context (schedule, g|u of %lld rows) %.2f\n",
                       b.memory.backward_bytes * 1e-9, b.memory.total() * 1e-9,
+                      static_cast<long long>(b.plan.saved_gate_up_rows),
                       b.saved_context_bytes * 1e-9);
           std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
                       bench::forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
@@ -1418,6 +1420,7 @@ int run_gpu(const Options& o, int devices) {
                << "]"
                << ", \"backward_bytes\": " << b.memory.backward_bytes
                << ", \"saved_context_bytes\": " << b.saved_context_bytes
+               << ", \"saved_gate_up_rows\": " << b.plan.saved_gate_up_rows
                << ", \"stage_us\": {" << stages_json(b.backward_stage_names, b.backward_stage_us)
                << "}}";
           if (o.backward_unfused) {

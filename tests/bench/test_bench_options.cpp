@@ -55,7 +55,7 @@ TEST(BenchOptions, FullCommandLine) {
        "--routing", "zipf", "--json", dir + "/results.json", "--baselines", "epflow-unfused", "--check", "--comm-sms",
        "0,8", "--minibatch-rows", "1024", "--ring-rows", "0,16384", "--trace", dir + "/trace",
        "--yardstick", "interleaved", "--backward", "--grad-dtype", "fp32", "--accumulate-grads",
-       "--backward-unfused",
+       "--saved-gate-up-rows", "1000", "--backward-unfused",
        "--backward-side-sms", "0,4", "--backward-comm-sms", "6,20"});
   ASSERT_EQ(r.outcome, Outcome::kOk) << r.error;
   const Options& o = r.options;
@@ -78,6 +78,7 @@ TEST(BenchOptions, FullCommandLine) {
   EXPECT_TRUE(o.backward);
   EXPECT_TRUE(o.fp32_grads);
   EXPECT_TRUE(o.accumulate_grads);
+  EXPECT_EQ(o.saved_gate_up_rows, 1000);
   EXPECT_TRUE(o.backward_unfused);
   EXPECT_EQ(o.backward_side_sms, (std::vector<int64_t>{0, 4}));
   EXPECT_EQ(o.backward_comm_sms, (std::vector<int64_t>{6, 20}));
@@ -181,6 +182,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{{"--backward-comm-sms", "6"}, "--backward-comm-sms needs --backward"},
         BadCase{{"--grad-dtype", "fp32"}, "--grad-dtype needs --backward"},
         BadCase{{"--accumulate-grads"}, "--accumulate-grads needs --backward"},
+        BadCase{{"--saved-gate-up-rows", "256"}, "--saved-gate-up-rows needs --backward"},
         BadCase{{"--json", "/nonexistent-epflow-folder/r.json"},
                 std::string("--json: cannot write \"/nonexistent-epflow-folder/r.json\": folder "
                             "\"/nonexistent-epflow-folder\": ") +

@@ -371,6 +371,34 @@ def test_layers_of_any_shape_share_one_workspace_and_streams_are_ordered():
     assert epflow.workspace_memory() == after
 
 
+def test_contexts_keeping_few_rows_recompute_the_rest():
+    # A context that keeps g|u of one tile of rows: the backward recomputes the others; the
+    # gradients are bitwise those of a layer whose contexts keep every row.
+    torch.manual_seed(5)
+    few = epflow.MoELayer(H, I, E, K, T_MAX, saved_gate_up_rows=128)
+    all_rows = epflow.MoELayer(H, I, E, K, T_MAX, saved_gate_up_rows=1 << 30)
+    with torch.no_grad():
+        for a, b in zip(few.parameters(), all_rows.parameters()):
+            b.copy_(a)
+    x, idx, w = _inputs(T_MAX, seed=90)
+    idx[: T_MAX // 2] = torch.arange(K, dtype=torch.int32, device="cuda")  # hot experts
+    idx = idx.contiguous()
+    dy = torch.randn(T_MAX, H, device="cuda").to(torch.bfloat16)
+    grads = []
+    for layer in (few, all_rows):
+        xi = x.clone().requires_grad_(True)
+        (layer(xi, idx, w).float() * dy.float()).sum().backward()
+        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+    torch.cuda.synchronize()
+    for name, a, b in zip(("x", "w_gate", "w_up", "w_down"), *grads):
+        assert torch.equal(a, b), f"{name}: recomputed rows differ from kept rows"
+    want = _reference_grads(x, idx, w, tuple(few.parameters()), dy)
+    for name, got, ref in zip(("x", "w_gate", "w_up", "w_down"), grads[0],
+                              (want[0],) + tuple(want[2:])):
+        err = rel_err(got, ref)
+        assert err <= TOL, f"{name}: rel err {err:.3e}"
+
+
 def test_activation_checkpointing(layer):
     # Checkpointed (non-reentrant and reentrant): the forward's context is dropped and
     # recomputed in the backward; the gradients are the plain run's, bitwise.
