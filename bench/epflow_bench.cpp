@@ -77,6 +77,7 @@ struct RankResult {
   double backward_stage_us[kMaxBackwardStages] = {};
   double forward_saving_us = 0;  // --backward: the forward that keeps g | u for it (median)
   double train_step_us = 0;      // --backward: that forward and its backward, timed as one
+  double train_step_forward_us = 0;  // ... of which the forward (an event between the two)
   double unfused_backward_us = 0;  // --backward-unfused: the unfused backward, its stages
   std::vector<std::string> unfused_stage_names;
   double unfused_stage_us[kMaxBackwardStages] = {};
@@ -403,18 +404,21 @@ Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const 
                              &out->backward_stage_names));
   // The training step as a training loop runs it: a forward that keeps what its backward reads,
   // then that backward, timed as one.
-  IterationEvents<1> step;
+  IterationEvents<2> step;
   EPFLOW_RETURN_IF_ERROR(step.create(n));
   for (int i = 0; i < n; ++i) {
     saved = data.fresh_context();
     EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[0], stream), "cudaEventRecord"));
     EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
-    EPFLOW_RETURN_IF_ERROR(layer.backward(data.grads(), saved, stream));
     EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[1], stream), "cudaEventRecord"));
+    EPFLOW_RETURN_IF_ERROR(layer.backward(data.grads(), saved, stream));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[2], stream), "cudaEventRecord"));
   }
   EPFLOW_RETURN_IF_ERROR(
       layer.with_device_failure(cuda_status(cudaStreamSynchronize(stream), "EPFlow training step")));
-  EPFLOW_RETURN_IF_ERROR(step.summarize(o.warmup, &out->train_step_us, &unused_stage));
+  double step_parts[2] = {};
+  EPFLOW_RETURN_IF_ERROR(step.summarize(o.warmup, &out->train_step_us, step_parts));
+  out->train_step_forward_us = step_parts[0];
   if (!trace_path.empty())
     EPFLOW_RETURN_IF_ERROR(write_trace(hooks, layer.workspace().plan.backward_comm_sms,
                                        c.ep_rank, trace_path, true));
@@ -820,6 +824,9 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     for (const auto& rep : reps) v.push_back(rep[r].train_step_us);
     out[r].train_step_us = median(v);
     v.clear();
+    for (const auto& rep : reps) v.push_back(rep[r].train_step_forward_us);
+    out[r].train_step_forward_us = median(v);
+    v.clear();
     for (const auto& rep : reps) v.push_back(rep[r].unfused_backward_us);
     out[r].unfused_backward_us = median(v);
     for (auto list : {&RankResult::backward_side_us, &RankResult::backward_comm_us})
@@ -1186,6 +1193,7 @@ int run_gpu(const Options& o, int devices) {
         to->backward_us = from.backward_us;
         to->forward_saving_us = from.forward_saving_us;
         to->train_step_us = from.train_step_us;
+        to->train_step_forward_us = from.train_step_forward_us;
         to->backward_side_us = from.backward_side_us;
         to->backward_comm_us = from.backward_comm_us;
         to->memory = from.memory;
@@ -1398,9 +1406,10 @@ int run_gpu(const Options& o, int devices) {
           std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
                       bench::forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
           const RankResult& ts = slowest(variant_results[0], &RankResult::train_step_us);
-          std::printf("  %-26s %10.1f %12.1f  (forward keeping g|u + backward)\n",
+          std::printf("  %-26s %10.1f %12.1f  (forward keeping g|u %.1f + backward %.1f)\n",
                       "epflow training step", ts.train_step_us,
-                      3 * bench::forward_flops(c, ts.routed_slots) / ts.train_step_us * 1e-6);
+                      3 * bench::forward_flops(c, ts.routed_slots) / ts.train_step_us * 1e-6,
+                      ts.train_step_forward_us, ts.train_step_us - ts.train_step_forward_us);
           auto bwd_json = [&](const char* system, double us) {
             json << ",\n    {\"system\": \"" << system << "\", \"direction\": \"bwd\", "
                  << "\"preset\": \"" << p->name << "\", \"tokens\": " << T
@@ -1413,6 +1422,7 @@ int run_gpu(const Options& o, int devices) {
           bwd_json("epflow", b.backward_us);
           json << ", \"forward_saving_us\": " << json_num(f.forward_saving_us)
                << ", \"train_step_us\": " << json_num(ts.train_step_us)
+               << ", \"train_step_forward_us\": " << json_num(ts.train_step_forward_us)
                << ", \"repeat_layer_us\": ["
                << join_numbers(per_repeat(variant_reps[0], &RankResult::backward_us), ", ", 2)
                << "], \"repeat_train_step_us\": ["
