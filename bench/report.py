@@ -357,8 +357,50 @@ def render_gemm(docs):
                   f"| {doc['device']} | {doc['commit']} |")
 
 
+def render_layer_memory(doc):
+    """bench/layer_memory.py: device memory of a stack of layers and of contexts in flight."""
+    print(f"| layers | device used GB | EPFlow workspace GB | parameters GB | preset | "
+          f"tokens/rank | EP | device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in doc["rows"]:
+        print(f"| {r['layers']} | {r['device_used_bytes'] * 1e-9:.2f} "
+              f"| {r['workspace_bytes'] * 1e-9:.2f} | {r['parameter_bytes'] * 1e-9:.2f} "
+              f"| {doc['preset']} | {doc['max_tokens_per_rank']} | {doc['ep']} "
+              f"| {doc['device']} | {doc['commit']} |")
+    print()
+    print(f"{doc['contexts_in_flight']} training forwards in flight (one per layer): "
+          f"{doc['in_flight_device_bytes'] * 1e-9:.2f} GB on the device, of which "
+          f"{doc['in_flight_output_bytes'] * 1e-9:.2f} GB their outputs; a context is "
+          f"{doc['saved_context_bytes'] * 1e-9:.2f} GB.")
+
+
+def render_moelayer_step(doc):
+    """bench/moelayer_step.py: MoELayer's training step, median and repeats."""
+    print("| system | preset | tokens/rank | EP | routing | micro-batches | step µs | repeats µs "
+          "| device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in doc["runs"]:
+        reps = " / ".join(f"{v:.0f}" for v in r["repeat_step_us"])
+        print(f"| {r['system']} | {r['preset']} | {r['tokens']} | {r['ep']} | {r['routing']} "
+              f"| {r['micro_batches']} | {r['step_us']:.0f} | {reps} | {doc['device']} "
+              f"| {doc['commit']} |")
+
+
+OWN_RENDERERS = {"layer-memory": render_layer_memory, "moelayer-step": render_moelayer_step}
+
+
 def main(paths, summary=False):
     docs = [load(p) for p in paths]
+    own = [d for d in docs if d.get("kind") in OWN_RENDERERS]
+    for i, d in enumerate(own):
+        if i:
+            print()
+        OWN_RENDERERS[d["kind"]](d)
+    docs = [d for d in docs if d.get("kind") not in OWN_RENDERERS]
+    if not docs:
+        return
+    if own:
+        print()
     if summary:
         render_summary(layer_runs([d for d in docs if d.get("kind") != "gemm"]))
         return
