@@ -80,4 +80,27 @@ Status weight_grad_elements(const LayerConfig& config, const std::vector<RankInp
                             const std::vector<WeightGradElement>& elements,
                             std::vector<float>* values);
 
+// --- FP8, block-scaled (LayerConfig::dtype = kFP8Blockwise; the GPU path is not implemented
+// yet). e4m3 values with one fp32 scale per block: 1 x 128 for activations (a row's 128
+// consecutive columns), 128 x 128 for weights; a last partial block scales what it has. See
+// src/common/fp8_blocks.h for the rounding, saturation and NaN rules.
+
+// Row-major [rows, cols] in 1 x 128 blocks: q [rows, cols] e4m3 bytes, scales [rows, ceil(cols /
+// 128)].
+void quantize_rows_1x128(const float* x, int64_t rows, int64_t cols, bool power_of_two_scales,
+                         uint8_t* q, float* scales);
+// Row-major [rows, cols] in 128 x 128 blocks: q [rows, cols], scales [ceil(rows / 128),
+// ceil(cols / 128)].
+void quantize_blocks_128x128(const float* w, int64_t rows, int64_t cols, bool power_of_two_scales,
+                             uint8_t* q, float* scales);
+
+// The layer's forward quantizing where the FP8 kernels do, and nowhere else: each token's x
+// (1 x 128, by its owner, before it crosses NVLink), every expert matrix (128 x 128), and h
+// (1 x 128) before the down GEMM; each GEMM sums 128-deep blocks of e4m3 products exactly, scales
+// a block's sum by its two scales and adds the blocks in order (double); SwiGLU, the expert
+// output rows and the weighted sum in fp32 / double as forward() does. y[r] = [T_r, H].
+Status forward_fp8(const LayerConfig& config, const std::vector<RankInput>& inputs,
+                   const std::vector<RankExperts>& experts, bool power_of_two_scales,
+                   std::vector<std::vector<float>>* y);
+
 }  // namespace epflow::reference

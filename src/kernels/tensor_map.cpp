@@ -58,6 +58,12 @@ Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, cons
                            strides_bytes);
 }
 
+Status encode_u8_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
+                            const uint32_t* box, const uint64_t* strides_bytes) {
+  return encode_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, rank, dims, box,
+                           strides_bytes);
+}
+
 Status encode_f32_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                              const uint32_t* box, const uint64_t* strides_bytes) {
   return encode_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, rank, dims, box,

@@ -16,6 +16,9 @@ namespace epflow {
 // Out-of-range box elements read as zeros.
 Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                               const uint32_t* box, const uint64_t* strides_bytes = nullptr);
+// The same for a tensor of bytes (e4m3; box[0] must be 128).
+Status encode_u8_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
+                            const uint32_t* box, const uint64_t* strides_bytes = nullptr);
 // The same for an fp32 tensor (box[0] * 4 must be 128 bytes).
 Status encode_f32_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                              const uint32_t* box, const uint64_t* strides_bytes = nullptr);

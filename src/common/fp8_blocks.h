@@ -1,0 +1,46 @@
+// Block-scaled FP8 (the DeepSeek-V3 recipe): e4m3 values (OCP E4M3FN: max 448, no infinities)
+// with one fp32 scale per block: 1 x 128 for activations (a row's 128 consecutive columns),
+// 128 x 128 for weights. value ≈ e4m3 * scale. Portable: the quantization kernels and the CPU
+// reference run this very code, so they agree bit for bit.
+//
+// A block's scale is amax / 448 (or, with power-of-two scales, the smallest 2^e >= amax / 448,
+// what a UE8M0 byte can hold); its values are round-to-nearest-even of v / scale, saturated to
+// ±448. A block of zeros has scale 1 and zero values. A NaN or infinity in a block makes that
+// block's scale and values NaN (it stays in its block: a 1 x 128 block is one token's).
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/hd.h"
+
+namespace epflow::fp8 {
+
+inline constexpr int kBlock = 128;         // block edge, elements
+inline constexpr float kE4m3Max = 448.0f;  // largest finite e4m3 magnitude
+
+// The scale of a block whose largest magnitude is amax.
+EPFLOW_HD float block_scale(float amax, bool power_of_two) {
+  if (!(amax == amax) || amax == INFINITY) return NAN;  // NaN or infinity: the block is lost
+  if (amax == 0.0f) return 1.0f;
+  const float s = amax / kE4m3Max;
+  if (!power_of_two) return s;
+  // The smallest power of two >= s: exact (frexp), no rounding of a logarithm.
+  int e = 0;
+  const float m = frexpf(s, &e);  // s = m * 2^e, m in [0.5, 1)
+  return ldexpf(1.0f, m == 0.5f ? e - 1 : e);
+}
+
+// v / scale as e4m3 (round to nearest even, saturated to ±448; NaN stays NaN).
+EPFLOW_HD __nv_fp8_storage_t quantize(float v, float scale) {
+  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
+}
+
+// The float an e4m3 byte holds.
+EPFLOW_HD float to_float(__nv_fp8_storage_t q) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E4M3)));
+}
+
+}  // namespace epflow::fp8

@@ -1,0 +1,102 @@
+// Block-scaled FP8 quantization kernels (fp8_quantize.cuh): a warp per 1 x 128 block of a row,
+// a CTA per 128 x 128 block of a matrix. Each finds its block's largest magnitude (a NaN wins),
+// takes fp8::block_scale of it and writes every element's fp8::quantize: the reference's code.
+#include "common/fp8_blocks.h"
+#include "kernels/fp8_quantize.cuh"
+
+namespace epflow::kernels {
+
+namespace {
+
+constexpr int kRowThreads = 256;    // 8 warps: 8 row blocks per CTA
+constexpr int kBlockThreads = 256;  // one 128 x 128 block per CTA
+
+// max(|a|, |b|) where a NaN wins (fmaxf would drop it).
+__device__ __forceinline__ float amax2(float a, float b) {
+  return (a != a || b != b) ? NAN : fmaxf(a, b);
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    quantize_rows_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, bool pow2,
+                         uint8_t* q, float* scales) {
+  const int64_t blocks_per_row = (cols + fp8::kBlock - 1) / fp8::kBlock;
+  const int64_t block = int64_t{blockIdx.x} * (kRowThreads / 32) + threadIdx.x / 32;
+  if (block >= rows * blocks_per_row) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = block / blocks_per_row, b = block % blocks_per_row;
+  const int64_t c0 = b * fp8::kBlock + lane * 4;  // this lane's 4 columns
+  const int64_t left = cols - c0;
+  const int n = left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
+  const __nv_bfloat16* src = x + row * cols + c0;
+  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f}, m = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    v[i] = __bfloat162float(src[i]);
+    m = amax2(m, fabsf(v[i]));
+  }
+  for (int off = 16; off > 0; off /= 2) m = amax2(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const float scale = fp8::block_scale(m, pow2);
+  for (int i = 0; i < n; ++i) q[row * cols + c0 + i] = fp8::quantize(v[i], scale);
+  if (lane == 0) scales[row * blocks_per_row + b] = scale;
+}
+
+__global__ void __launch_bounds__(kBlockThreads)
+    quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols, bool pow2,
+                           uint8_t* q, float* scales) {
+  const int64_t row_blocks = (rows + fp8::kBlock - 1) / fp8::kBlock;
+  const int64_t col_blocks = (cols + fp8::kBlock - 1) / fp8::kBlock;
+  const int64_t matrix = blockIdx.z, rb = blockIdx.y, cb = blockIdx.x;
+  const int64_t r0 = rb * fp8::kBlock, c0 = cb * fp8::kBlock;
+  const int64_t nr = rows - r0 < fp8::kBlock ? rows - r0 : fp8::kBlock;
+  const int64_t nc = cols - c0 < fp8::kBlock ? cols - c0 : fp8::kBlock;
+  const __nv_bfloat16* src = w + matrix * rows * cols;
+  uint8_t* dst = q + matrix * rows * cols;
+  // Thread t: column c0 + t % 128, rows t / 128, + 2, ... (coalesced along the row).
+  const int col = threadIdx.x % fp8::kBlock, first = threadIdx.x / fp8::kBlock;
+  float m = 0.0f;
+  if (col < nc)
+    for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock)
+      m = amax2(m, fabsf(__bfloat162float(src[(r0 + r) * cols + c0 + col])));
+  for (int off = 16; off > 0; off /= 2) m = amax2(m, __shfl_xor_sync(0xffffffffu, m, off));
+  __shared__ float warp_max[kBlockThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = warp_max[0];
+  for (int i = 1; i < kBlockThreads / 32; ++i) m = amax2(m, warp_max[i]);
+  const float scale = fp8::block_scale(m, pow2);
+  if (col < nc)
+    for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock) {
+      const int64_t at = (r0 + r) * cols + c0 + col;
+      dst[at] = fp8::quantize(__bfloat162float(src[at]), scale);
+    }
+  if (threadIdx.x == 0) scales[(matrix * row_blocks + rb) * col_blocks + cb] = scale;
+}
+
+}  // namespace
+
+cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int64_t cols,
+                                       bool pow2, uint8_t* q, float* scales,
+                                       cudaStream_t stream) {
+  if (rows < 0 || cols <= 0 || (rows > 0 && (!x || !q || !scales))) return cudaErrorInvalidValue;
+  const int64_t blocks = rows * ((cols + fp8::kBlock - 1) / fp8::kBlock);
+  if (blocks == 0) return cudaSuccess;
+  const int64_t grid = (blocks + kRowThreads / 32 - 1) / (kRowThreads / 32);
+  quantize_rows_kernel<<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(x, rows, cols,
+                                                                                 pow2, q, scales);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_quantize_blocks_128x128(const __nv_bfloat16* w, int64_t matrices, int64_t rows,
+                                           int64_t cols, bool pow2, uint8_t* q, float* scales,
+                                           cudaStream_t stream) {
+  if (matrices < 0 || rows <= 0 || cols <= 0 || matrices > 65535 ||
+      (matrices > 0 && (!w || !q || !scales)))
+    return cudaErrorInvalidValue;
+  if (matrices == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((cols + fp8::kBlock - 1) / fp8::kBlock),
+                  static_cast<unsigned>((rows + fp8::kBlock - 1) / fp8::kBlock),
+                  static_cast<unsigned>(matrices));
+  quantize_blocks_kernel<<<grid, kBlockThreads, 0, stream>>>(w, rows, cols, pow2, q, scales);
+  return cudaGetLastError();
+}
+
+}  // namespace epflow::kernels

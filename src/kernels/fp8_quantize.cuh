@@ -1,0 +1,24 @@
+// Block-scaled FP8 quantization on the device (src/common/fp8_blocks.h's rules, bit for bit the
+// CPU reference's reference::quantize_rows_1x128 / quantize_blocks_128x128): bf16 in, e4m3
+// bytes and fp32 scales out.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace epflow::kernels {
+
+// x [rows, cols] -> q [rows, cols], scales [rows, ceil(cols / 128)].
+cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int64_t cols,
+                                       bool power_of_two_scales, uint8_t* q, float* scales,
+                                       cudaStream_t stream);
+
+// w [matrices, rows, cols] -> q (same shape), scales [matrices, ceil(rows / 128),
+// ceil(cols / 128)]. One matrix per expert: a block never spans two.
+cudaError_t launch_quantize_blocks_128x128(const __nv_bfloat16* w, int64_t matrices, int64_t rows,
+                                           int64_t cols, bool power_of_two_scales, uint8_t* q,
+                                           float* scales, cudaStream_t stream);
+
+}  // namespace epflow::kernels

@@ -1,0 +1,132 @@
+// The FP8 quantization kernels (kernels/fp8_quantize.cuh) against the CPU reference's
+// quantize_rows_1x128 / quantize_blocks_128x128: every e4m3 byte and every scale bit for bit,
+// plain and power-of-two scales, partial blocks on every edge, a NaN and an infinity each lost
+// in their own block only. Outputs are poisoned first.
+#include <gtest/gtest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "epflow/reference.h"
+#include "gpu_test_util.h"
+#include "kernels/fp8_quantize.cuh"
+
+namespace epflow {
+namespace {
+
+// Random bf16 values over several magnitudes (blocks of very different scales), a NaN and an
+// infinity at the given positions.
+std::vector<__nv_bfloat16> make_values(int64_t n, uint64_t seed, int64_t nan_at, int64_t inf_at) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<__nv_bfloat16> v(n);
+  for (int64_t i = 0; i < n; ++i)
+    v[i] = __float2bfloat16(u(rng) * std::ldexp(1.0f, static_cast<int>((i / 97) % 24) - 12));
+  if (nan_at >= 0) v[nan_at] = __float2bfloat16(NAN);
+  if (inf_at >= 0) v[inf_at] = __float2bfloat16(INFINITY);
+  return v;
+}
+
+std::vector<float> to_float(const std::vector<__nv_bfloat16>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = __bfloat162float(v[i]);
+  return f;
+}
+
+void expect_same(const std::vector<uint8_t>& q, const std::vector<uint8_t>& want_q,
+                 const std::vector<float>& s, const std::vector<float>& want_s) {
+  int64_t bad_q = 0, bad_s = 0;
+  for (size_t i = 0; i < q.size(); ++i) bad_q += q[i] != want_q[i];
+  for (size_t i = 0; i < s.size(); ++i) {
+    uint32_t a, b;
+    std::memcpy(&a, &s[i], 4);
+    std::memcpy(&b, &want_s[i], 4);
+    bad_s += std::isnan(s[i]) ? !std::isnan(want_s[i]) : a != b;
+  }
+  EXPECT_EQ(bad_q, 0) << "e4m3 bytes differing from the reference, of " << q.size();
+  EXPECT_EQ(bad_s, 0) << "scales differing from the reference, of " << s.size();
+}
+
+TEST(Fp8QuantizeGpu, RowsMatchTheReference) {
+  EPFLOW_SKIP_WITHOUT_GPU();
+  const int64_t rows = 37, cols = 300, nb = 3;
+  const auto x = make_values(rows * cols, 5, 4 * cols + 130, 20 * cols + 299);
+  for (bool pow2 : {false, true}) {
+    SCOPED_TRACE(pow2 ? "power-of-two scales" : "plain scales");
+    std::vector<uint8_t> want_q(rows * cols), q(rows * cols);
+    std::vector<float> want_s(rows * nb), s(rows * nb);
+    reference::quantize_rows_1x128(to_float(x).data(), rows, cols, pow2, want_q.data(),
+                                   want_s.data());
+    __nv_bfloat16* dx = nullptr;
+    uint8_t* dq = nullptr;
+    float* ds = nullptr;
+    EPFLOW_CUDA_CHECK(cudaMalloc(&dx, x.size() * 2));
+    EPFLOW_CUDA_CHECK(cudaMalloc(&dq, q.size()));
+    EPFLOW_CUDA_CHECK(cudaMalloc(&ds, s.size() * 4));
+    EPFLOW_CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+    EPFLOW_CUDA_CHECK(cudaMemset(dq, 0xAB, q.size()));
+    EPFLOW_CUDA_CHECK(cudaMemset(ds, 0xFF, s.size() * 4));  // NaN
+    EPFLOW_CUDA_CHECK(kernels::launch_quantize_rows_1x128(dx, rows, cols, pow2, dq, ds, nullptr));
+    EPFLOW_CUDA_CHECK(cudaMemcpy(q.data(), dq, q.size(), cudaMemcpyDeviceToHost));
+    EPFLOW_CUDA_CHECK(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
+    for (void* p : {static_cast<void*>(dx), static_cast<void*>(dq), static_cast<void*>(ds)})
+      EPFLOW_CUDA_CHECK(cudaFree(p));
+    expect_same(q, want_q, s, want_s);
+    int64_t lost = 0;
+    for (float v : s) lost += std::isnan(v);
+    EXPECT_EQ(lost, 2) << "the NaN's and the infinity's blocks, and no other";
+  }
+}
+
+TEST(Fp8QuantizeGpu, MatricesMatchTheReference) {
+  EPFLOW_SKIP_WITHOUT_GPU();
+  const int64_t matrices = 3, rows = 200, cols = 264;  // 2 x 3 blocks each, partial edges
+  const int64_t per = rows * cols, nblocks = 2 * 3;
+  const auto w = make_values(matrices * per, 6, per + 150 * cols + 10, 2 * per + 5);
+  for (bool pow2 : {false, true}) {
+    SCOPED_TRACE(pow2 ? "power-of-two scales" : "plain scales");
+    std::vector<uint8_t> want_q(matrices * per), q(matrices * per);
+    std::vector<float> want_s(matrices * nblocks), s(matrices * nblocks);
+    const auto wf = to_float(w);
+    for (int64_t m = 0; m < matrices; ++m)
+      reference::quantize_blocks_128x128(wf.data() + m * per, rows, cols, pow2,
+                                         want_q.data() + m * per, want_s.data() + m * nblocks);
+    __nv_bfloat16* dw = nullptr;
+    uint8_t* dq = nullptr;
+    float* ds = nullptr;
+    EPFLOW_CUDA_CHECK(cudaMalloc(&dw, w.size() * 2));
+    EPFLOW_CUDA_CHECK(cudaMalloc(&dq, q.size()));
+    EPFLOW_CUDA_CHECK(cudaMalloc(&ds, s.size() * 4));
+    EPFLOW_CUDA_CHECK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+    EPFLOW_CUDA_CHECK(cudaMemset(dq, 0xAB, q.size()));
+    EPFLOW_CUDA_CHECK(cudaMemset(ds, 0xFF, s.size() * 4));
+    EPFLOW_CUDA_CHECK(
+        kernels::launch_quantize_blocks_128x128(dw, matrices, rows, cols, pow2, dq, ds, nullptr));
+    EPFLOW_CUDA_CHECK(cudaMemcpy(q.data(), dq, q.size(), cudaMemcpyDeviceToHost));
+    EPFLOW_CUDA_CHECK(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
+    for (void* p : {static_cast<void*>(dw), static_cast<void*>(dq), static_cast<void*>(ds)})
+      EPFLOW_CUDA_CHECK(cudaFree(p));
+    expect_same(q, want_q, s, want_s);
+    int64_t lost = 0;
+    for (float v : s) lost += std::isnan(v);
+    EXPECT_EQ(lost, 2) << "the NaN's and the infinity's blocks, and no other";
+  }
+}
+
+TEST(Fp8QuantizeGpu, RejectsBadShapes) {
+  EPFLOW_SKIP_WITHOUT_GPU();
+  EXPECT_EQ(kernels::launch_quantize_rows_1x128(nullptr, 4, 0, false, nullptr, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::launch_quantize_blocks_128x128(nullptr, 1, 128, 128, false, nullptr, nullptr,
+                                                    nullptr),
+            cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace epflow

@@ -1,0 +1,151 @@
+// The block-scaled FP8 formats (src/common/fp8_blocks.h) and the FP8 CPU reference
+// (reference.h: quantize_rows_1x128, quantize_blocks_128x128, forward_fp8): e4m3 rounding and
+// saturation, block scales (plain and power-of-two), a NaN or infinity kept in its block, and the
+// quantized forward against the exact one.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "common/fp8_blocks.h"
+#include "epflow/reference.h"
+#include "reference/synthetic.h"
+
+namespace epflow {
+namespace {
+
+TEST(Fp8Blocks, E4m3RoundsToNearestEvenAndSaturates) {
+  EXPECT_EQ(fp8::quantize(1.0f, 1.0f), 0x38);
+  EXPECT_EQ(fp8::quantize(-2.0f, 1.0f), 0xC0);
+  EXPECT_EQ(fp8::quantize(448.0f, 1.0f), 0x7E);
+  EXPECT_EQ(fp8::quantize(1e6f, 1.0f), 0x7E);    // saturated, never NaN
+  EXPECT_EQ(fp8::quantize(-1e6f, 1.0f), 0xFE);
+  EXPECT_EQ(fp8::quantize(1.0625f, 1.0f), 0x38);  // halfway between 1 and 1.125: to even
+  EXPECT_EQ(fp8::quantize(1.1875f, 1.0f), 0x3A);  // halfway between 1.125 and 1.25: to even
+  EXPECT_EQ(fp8::quantize(2.0f, 2.0f), 0x38);     // v / scale
+  // Every finite byte survives a round trip through its float.
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(fp8::to_float(static_cast<uint8_t>(b)))) << b;
+      continue;
+    }
+    EXPECT_EQ(fp8::quantize(fp8::to_float(static_cast<uint8_t>(b)), 1.0f), b) << b;
+  }
+  EXPECT_EQ(fp8::to_float(0x7E), 448.0f);
+  EXPECT_TRUE(std::isnan(fp8::to_float(fp8::quantize(NAN, 1.0f))));
+}
+
+TEST(Fp8Blocks, BlockScales) {
+  EXPECT_EQ(fp8::block_scale(448.0f, false), 1.0f);
+  EXPECT_EQ(fp8::block_scale(0.0f, false), 1.0f);
+  EXPECT_EQ(fp8::block_scale(0.0f, true), 1.0f);
+  EXPECT_FLOAT_EQ(fp8::block_scale(448.0f * 3, false), 3.0f);
+  EXPECT_EQ(fp8::block_scale(448.0f * 3, true), 4.0f);
+  EXPECT_EQ(fp8::block_scale(448.0f * 4, true), 4.0f);  // exact powers stay
+  EXPECT_EQ(fp8::block_scale(448.0f * 0.3f, true), 0.5f);
+  EXPECT_EQ(fp8::block_scale(448.0f * std::ldexp(1.0f, -20), true), std::ldexp(1.0f, -20));
+  EXPECT_TRUE(std::isnan(fp8::block_scale(INFINITY, false)));
+  EXPECT_TRUE(std::isnan(fp8::block_scale(NAN, true)));
+}
+
+// Rows of 300 columns: blocks of 128, 128 and 44.
+TEST(Fp8Blocks, RowsIn1x128Blocks) {
+  const int64_t rows = 3, cols = 300, nb = 3;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  std::vector<float> x(rows * cols);
+  for (float& v : x) v = u(rng);
+  x[1 * cols + 200] = INFINITY;  // row 1, block 1
+  x[2 * cols + 5] = NAN;         // row 2, block 0
+  for (bool pow2 : {false, true}) {
+    SCOPED_TRACE(pow2 ? "power-of-two scales" : "plain scales");
+    std::vector<uint8_t> q(rows * cols);
+    std::vector<float> s(rows * nb);
+    reference::quantize_rows_1x128(x.data(), rows, cols, pow2, q.data(), s.data());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const bool lost = (r == 1 && b == 1) || (r == 2 && b == 0);
+        const float scale = s[r * nb + b];
+        EXPECT_EQ(std::isnan(scale), lost) << "row " << r << " block " << b;
+        float amax = 0.0f;
+        for (int64_t c = b * 128; c < std::min<int64_t>(cols, (b + 1) * 128); ++c) {
+          const float v = x[r * cols + c], back = fp8::to_float(q[r * cols + c]) * scale;
+          if (lost) {
+            EXPECT_TRUE(std::isnan(back));
+            continue;
+          }
+          amax = std::max(amax, std::fabs(v));
+          // e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of the value, or of the smallest
+          // normal (2^-6) times the scale below it.
+          EXPECT_LE(std::fabs(back - v), std::max(std::fabs(v) / 16, scale * 0.0078125f))
+              << r << ", " << c;
+        }
+        if (!lost && !pow2) {
+          EXPECT_FLOAT_EQ(scale, amax / 448.0f);
+        }
+        if (!lost && pow2) {
+          EXPECT_GE(scale * 448.0f, amax);
+          EXPECT_LT(scale * 224.0f, amax);
+        }
+      }
+  }
+}
+
+TEST(Fp8Blocks, MatricesIn128x128Blocks) {
+  const int64_t rows = 200, cols = 130;  // 2 x 2 blocks, partial on both edges
+  std::vector<float> w(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) w[i] = std::sin(0.37f * i) * (1 + i / 1000);
+  std::vector<uint8_t> q(rows * cols);
+  std::vector<float> s(4);
+  reference::quantize_blocks_128x128(w.data(), rows, cols, false, q.data(), s.data());
+  for (int rb = 0; rb < 2; ++rb)
+    for (int cb = 0; cb < 2; ++cb) {
+      float amax = 0.0f;
+      for (int64_t r = rb * 128; r < std::min<int64_t>(rows, rb * 128 + 128); ++r)
+        for (int64_t c = cb * 128; c < std::min<int64_t>(cols, cb * 128 + 128); ++c)
+          amax = std::max(amax, std::fabs(w[r * cols + c]));
+      EXPECT_FLOAT_EQ(s[rb * 2 + cb], amax / 448.0f) << rb << ", " << cb;
+    }
+}
+
+// The quantized forward stays close to the exact one, on both scale kinds, with empty slots.
+// e4m3 keeps 3 mantissa bits: each element's rounding error is up to 1/16 (about 3.6% rms), and
+// a dot product of random-sign terms keeps that relative error (its sum grows like its error),
+// so each GEMM with both operands quantized costs about 5% and the layer's two (x and W_gate /
+// W_up, then h and W_down) about 6%: the tolerance against the exact forward is 8%.
+TEST(ReferenceFp8, ForwardCloseToTheExactForward) {
+  LayerConfig c;
+  c.hidden = 384;
+  c.intermediate = 256;
+  c.num_experts = 8;
+  c.top_k = 3;
+  c.ep_size = 2;
+  c.max_tokens_per_rank = 64;
+  synthetic::InputSpec spec;
+  spec.tokens_per_rank = {37, 64};
+  spec.routing = synthetic::Routing::kWithEmptySlots;
+  const auto inputs = synthetic::make_inputs(c, spec);
+  const auto experts = synthetic::make_experts(c, 3);
+  std::vector<std::vector<float>> exact;
+  ASSERT_TRUE(reference::forward(c, inputs, experts, &exact).ok());
+  for (bool pow2 : {false, true}) {
+    std::vector<std::vector<float>> y;
+    ASSERT_TRUE(reference::forward_fp8(c, inputs, experts, pow2, &y).ok());
+    for (int r = 0; r < c.ep_size; ++r) {
+      double err = 0, norm = 0;
+      for (size_t i = 0; i < y[r].size(); ++i) {
+        ASSERT_TRUE(std::isfinite(y[r][i]));
+        err += (y[r][i] - exact[r][i]) * double(y[r][i] - exact[r][i]);
+        norm += exact[r][i] * double(exact[r][i]);
+      }
+      EXPECT_LT(std::sqrt(err / norm), 0.08) << "rank " << r << (pow2 ? ", pow2" : "");
+      EXPECT_GT(std::sqrt(err / norm), 1e-4) << "no quantization happened?";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace epflow
