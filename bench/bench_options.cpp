@@ -213,6 +213,9 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
       const Arg a = value();
       o->fp32_grads = one_of(a, a.value, {"bf16", "fp32"}) == "fp32";
       grad_dtype_given = true;
+    } else if (flag == "--dtype") {
+      const Arg a = value();
+      o->fp8 = one_of(a, a.value, {"bf16", "fp8"}) == "fp8";
     } else if (flag == "--routing") {
       const Arg a = value();
       std::vector<std::string> names;
@@ -248,6 +251,8 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
     if (o->accumulate_grads) fail("--accumulate-grads needs --backward");
     if (o->saved_gate_up_rows > 0) fail("--saved-gate-up-rows needs --backward");
   }
+  if (o->fp8 && o->backward)
+    fail("--dtype fp8 times the forward only: the FP8 layer's backward is not implemented yet");
   if (!o->json.empty())
     if (const std::string why = file_unwritable(o->json); !why.empty())
       fail("--json: cannot write " + in_quotes(o->json) + ": " + why);
@@ -293,7 +298,7 @@ std::string usage_text() {
          "                    [--minibatch-rows R[,R...]] [--ring-rows R[,R...]] [--trace PREFIX]\n"
          "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
          "                    [--grad-dtype bf16|fp32] [--accumulate-grads] [--saved-gate-up-rows N]\n"
-         "                    [--backward-unfused]\n"
+         "                    [--backward-unfused] [--dtype bf16|fp8]\n"
          "                    [--backward-side-sms N[,N...]] [--backward-comm-sms N[,N...]]\n"
          "  --preset     model shapes (default deepseek-v3 on GPUs, tiny on the CPU reference):\n"
          + wrapped(preset_names()) +
@@ -309,6 +314,9 @@ std::string usage_text() {
          "               (default) or zipf, expert popularity proportional to 1 / (1 + its place\n"
          "               in a seeded ranking, the same on every rank)\n"
          "  --json PATH  also write the results to PATH as JSON (GPU runs)\n"
+         "  --dtype fp8  EPFlow's FP8 forward (e4m3, 1x128 / 128x128 scales; weights quantized\n"
+         "               on the device, timed apart) first, then its bf16 forward and the\n"
+         "               baselines, each ratio against it (default bf16; forward only)\n"
          "  --backward   also time EPFlow's backward and its stages (dy = x, weight gradients\n"
          "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"
          "  --accumulate-grads  the backward adds into the weight gradients (gradient\n"

@@ -35,6 +35,9 @@ struct Options {
   std::string json;                                    // write results here as JSON
   std::vector<std::string> baselines = {kNcclCublas, kUnfused};  // timed after EPFlow
   bool check = false;  // compare with the CPU reference (small shape) instead of benchmarking
+  // --dtype fp8: EPFlow's FP8 (block-scaled e4m3) forward first, then its bf16 forward and the
+  // baselines in the same run, each ratio against the FP8 layer. Forward only.
+  bool fp8 = false;
   // Also time EPFlow's backward (default knobs): after one forward that saves its context, the
   // backward alone, with dy = x and the weight gradients written in bf16 (what the NCCL+PyTorch
   // baseline's autograd writes for bf16 weights), or fp32 with --grad-dtype fp32.

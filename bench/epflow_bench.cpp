@@ -35,6 +35,7 @@
 #include "epflow/communicator.h"
 #include "epflow/epflow.h"
 #include "host/layer_core.h"
+#include "common/fp8_blocks.h"
 #include "common/status_util.h"
 #include "presets.h"
 #include "rooflines.h"
@@ -85,6 +86,7 @@ struct RankResult {
   std::vector<double> backward_comm_us;  // --backward-comm-sms: the megakernel, each count
   MemoryReport memory;  // --backward: the layer's memory (created with_backward)
   int64_t saved_context_bytes = 0;  // --backward: one forward's context
+  double quantize_weights_us = 0;   // FP8: quantize_expert_weights of this rank's experts
 };
 
 double median(std::vector<double> v) {
@@ -176,6 +178,36 @@ class RankData {
     return cuda_status(cudaStreamSynchronize(stream), "generating the bench inputs");
   }
   const ForwardArgs& args() const { return args_; }
+
+  // FP8 layers: the weights quantized by quantize_expert_weights into args().weights.fp8, run
+  // warmup + iters times (what a training step re-runs after each optimizer step); the median
+  // of the timed runs into *us.
+  Status quantize_weights(const LayerConfig& c, int warmup, int iters, cudaStream_t stream,
+                          double* us) {
+    const int64_t bytes = fp8_expert_weights_bytes(c);
+    uint8_t* buffer = nullptr;
+    EPFLOW_RETURN_IF_ERROR(alloc(&buffer, bytes, "cudaMalloc (FP8 weights)"));
+    std::vector<double> ms;
+    cudaEvent_t start = nullptr, end = nullptr;
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&start), "cudaEventCreate"));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&end), "cudaEventCreate"));
+    Status s = Status::ok_status();
+    for (int i = 0; i < warmup + iters && s.ok(); ++i) {
+      s = cuda_status(cudaEventRecord(start, stream), "cudaEventRecord");
+      if (s.ok())
+        s = quantize_expert_weights(c, args_.weights, c.fp8_power_of_two_scales, buffer, bytes,
+                                    &args_.weights.fp8, stream);
+      if (s.ok()) s = cuda_status(cudaEventRecord(end, stream), "cudaEventRecord");
+      if (s.ok()) s = cuda_status(cudaEventSynchronize(end), "quantize_expert_weights");
+      float v = 0;
+      if (s.ok()) s = cuda_status(cudaEventElapsedTime(&v, start, end), "cudaEventElapsedTime");
+      if (i >= warmup) ms.push_back(v);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(end);
+    if (s.ok()) *us = median(ms) * 1e3;
+    return s;
+  }
 
   // The backward's outputs (dx, d topk_weights, weight gradients in `dtype`), dy =
   // bench_inputs.h's dy (the same every system's backward gets), and one SavedContext's buffer
@@ -524,7 +556,13 @@ struct Variant {
   int64_t minibatch_rows = 0;
   bool unfused = false;
   int64_t ring_rows = 0;
+  DType dtype = DType::kBF16;
 };
+
+// Bytes of one dispatched x row on NVLink (the combine's rows are bf16 either way).
+double dispatch_row_bytes(const LayerConfig& c, DType dtype) {
+  return dtype == DType::kFP8Blockwise ? double(fp8::packed_row_bytes(c.hidden)) : 2.0 * c.hidden;
+}
 
 // EPFlow on this rank: timing of the layer and its stages, and the rows of y of `checked`.
 // trace_path: where to write the megakernel's per-task trace of the last call (empty: none).
@@ -542,6 +580,7 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   c.comm_sms = v.comm_sms;
   c.minibatch_rows = v.minibatch_rows;
   c.ring_rows = v.ring_rows;
+  c.dtype = v.dtype;
   c.with_backward = with_backward || backward_grads != nullptr;
   std::unique_ptr<LayerCore> layer;  // the public Layer's core, with hooks and executors
   EPFLOW_RETURN_IF_ERROR(LayerCore::create(c, comm, &layer));
@@ -559,6 +598,9 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   RankData data;
   EPFLOW_RETURN_IF_ERROR(data.create(c, routing[c.ep_rank], T, o.seed, stream.get()));
   const int n = o.warmup + o.iters;
+  if (c.dtype == DType::kFP8Blockwise)
+    EPFLOW_RETURN_IF_ERROR(data.quantize_weights(c, o.warmup, o.iters, stream.get(),
+                                                 &out->quantize_weights_us));
   ForwardEvents ev;
   EPFLOW_RETURN_IF_ERROR(ev.create(n));
   std::unique_ptr<bench::DenseFfn> dense;
@@ -681,17 +723,24 @@ void print_routing_skew(const LayerConfig& c, const std::vector<bench::Routing>&
 // --- output checks ---------------------------------------------------------------------------
 
 // One system's output against a reference: the worst rank's relative error.
+// An FP8 layer against a bf16 one or the exact reference: e4m3 keeps 3 mantissa bits, so x, the
+// weights and h each round by up to 2^-4 (the CPU reference's own FP8 test bounds the layer at
+// 8%). Against the quantization-matched reference the FP8 layer keeps kRelTol.
+constexpr double kFp8VsBf16Tol = 8e-2;
+
 struct Check {
   std::string against;  // "epflow" or "reference"; empty: not checked
   double rel_err = 0;
-  bool ok() const { return rel_err <= kRelTol; }  // false for NaN and inf too
+  double tolerance = kRelTol;
+  bool ok() const { return rel_err <= tolerance; }  // false for NaN and inf too
   const char* verdict() const { return ok() ? "OK" : "MISMATCH"; }
 };
 
 Check compare(const std::vector<std::vector<float>>& y, const std::vector<std::vector<float>>& ref,
-              const char* against) {
+              const char* against, double tolerance = kRelTol) {
   Check c;
   c.against = against;
+  c.tolerance = tolerance;
   for (size_t r = 0; r < y.size(); ++r) {
     const double e = bench::rel_err(y[r], ref[r]);
     c.rel_err = std::isnan(e) || e > c.rel_err ? e : c.rel_err;
@@ -899,7 +948,7 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, Rout
   const RankResult& slow = slowest(ranks);
   const double flops = bench::forward_flops(c, slow.routed_slots);
   const double ffn_flops = bench::forward_flops(c, slow.rows_received);
-  const double row_bytes = 2.0 * c.hidden;
+  const double row_bytes = dispatch_row_bytes(c, variant ? variant->dtype : DType::kBF16);
   std::ostringstream js;
   js << "{\"system\": \"" << system << "\", \"direction\": \"fwd\", \"preset\": \"" << p.name
      << "\", \"tokens\": " << T << ", \"routing\": \"" << bench::routing_name(routing)
@@ -923,8 +972,11 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, Rout
   // json_num: a stage of 0 us (no rows received) gives inf, which is not JSON.
   js << ", \"ffn_tflops_per_gpu\": " << json_num(ffn_flops / slow.stage_us[2] * 1e-6)
      << ", \"dispatch_nvlink_bytes\": " << json_num(slow.nvlink_rows_in * row_bytes)
-     << ", \"combine_nvlink_bytes\": " << json_num(slow.nvlink_rows_out * row_bytes);
+     << ", \"combine_nvlink_bytes\": " << json_num(slow.nvlink_rows_out * 2.0 * c.hidden);
   if (variant) {
+    const bool fp8 = variant->dtype == DType::kFP8Blockwise;
+    js << ", \"dtype\": \"" << (fp8 ? "fp8" : "bf16") << "\"";
+    if (fp8) js << ", \"quantize_weights_us\": " << json_num(slow.quantize_weights_us);
     js << ", \"fused\": " << (variant->unfused ? "false" : "true");
     if (!variant->unfused)
       js << ", \"comm_sms\": " << slow.plan.comm_sms
@@ -950,6 +1002,11 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, Rout
        << ", \"hbm_copy_gbs\": " << json_num(roof->hbm_copy_gbs)
        << ", \"weight_stream_us\": " << json_num(stream_us)
        << ", \"layer_vs_weight_stream\": " << json_num(slow.total_us / stream_us);
+    if (variant && variant->dtype == DType::kFP8Blockwise) {
+      const double fp8_stream_us = fp8_expert_weights_bytes(c) / (roof->hbm_copy_gbs * 1e3);
+      js << ", \"fp8_weight_stream_us\": " << json_num(fp8_stream_us)
+         << ", \"layer_vs_fp8_weight_stream\": " << json_num(slow.total_us / fp8_stream_us);
+    }
   }
   if (!check.against.empty())
     js << ", \"check\": \"" << check.verdict() << "\", \"check_against\": \"" << check.against
@@ -963,16 +1020,18 @@ std::string run_json(const char* system, const bench::Preset& p, int64_t T, Rout
 // expert FFN and combine, overlapped). Under its heading, how skewed a zipf routing is.
 void print_epflow(const bench::Preset& p, int64_t T, const LayerConfig& c, RoutingKind kind,
                   const std::vector<bench::Routing>& routing,
-                  const std::vector<RankResult>& ranks) {
+                  const std::vector<RankResult>& ranks, DType dtype) {
   const RankResult& slow = slowest(ranks);
   const double flops = bench::forward_flops(c, slow.routed_slots);
   const double ffn_flops = bench::forward_flops(c, slow.rows_received);
-  const double nvlink_bytes = (slow.nvlink_rows_in + slow.nvlink_rows_out) * 2.0 * c.hidden;
+  const double nvlink_bytes =
+      slow.nvlink_rows_in * dispatch_row_bytes(c, dtype) + slow.nvlink_rows_out * 2.0 * c.hidden;
   std::printf("\n%s (H %lld, I %lld, %d experts/rank, top-%d), %lld tokens/rank, %s routing; "
-              "megakernel: %d comm + %d compute SMs, minibatch %lld rows, ring %lld rows "
+              "%s megakernel: %d comm + %d compute SMs, minibatch %lld rows, ring %lld rows "
               "(%.0f MB)\n",
               p.name.c_str(), (long long)c.hidden, (long long)c.intermediate, c.experts_per_rank(),
-              c.top_k, (long long)T, bench::routing_name(kind), slow.plan.comm_sms,
+              c.top_k, (long long)T, bench::routing_name(kind),
+              dtype == DType::kFP8Blockwise ? "fp8" : "bf16", slow.plan.comm_sms,
               slow.plan.compute_sms, (long long)slow.plan.minibatch_rows,
               (long long)slow.plan.ring_rows, slow.plan.ring_bytes * 1e-6);
   if (kind == RoutingKind::kZipf) print_routing_skew(c, routing);
@@ -1044,6 +1103,17 @@ int run_cpu_reference(const Options& o, const char* why) {
     return 1;
   }
   const auto t1 = std::chrono::steady_clock::now();
+  if (o.fp8) {
+    // The FP8 forward's quantization-matched reference, against the exact one.
+    std::vector<std::vector<float>> y_fp8;
+    if (Status s = reference::forward_fp8(c, inputs, experts, false, &y_fp8); !s.ok()) {
+      std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
+      return 1;
+    }
+    std::printf("FP8 forward (e4m3, 1x128 / 128x128 scales): relative error %.2e against the "
+                "exact forward\n",
+                compare(y_fp8, y, "reference").rel_err);
+  }
   for (int32_t r = 0; r < ep; ++r) dy[r] = y[r];  // loss = 0.5 * |y|^2
   std::vector<reference::RankGrads> grads;
   if (Status s = reference::backward(c, inputs, experts, dy, &grads); !s.ok()) {
@@ -1095,7 +1165,12 @@ int run_gpu(const Options& o, int devices) {
                                             : std::vector<int64_t>{4096};
   const bool nccl_cublas =
       std::find(o.baselines.begin(), o.baselines.end(), kNcclCublas) != o.baselines.end();
-  std::vector<Variant> variants = {Variant{"epflow"}};
+  // --dtype fp8: the FP8 layer is EPFlow's first system (its stages, trace and yardsticks; every
+  // ratio against it), its bf16 layer the second.
+  const DType first_dtype = o.fp8 ? DType::kFP8Blockwise : DType::kBF16;
+  std::vector<Variant> variants = {Variant{o.fp8 ? "epflow-fp8" : "epflow"}};
+  variants[0].dtype = first_dtype;
+  if (o.fp8) variants.push_back(Variant{"epflow"});
   if (!o.sweep_comm_sms.empty() || !o.sweep_minibatch_rows.empty() ||
       !o.sweep_ring_rows.empty()) {
     const std::vector<int64_t> none = {0};
@@ -1105,16 +1180,18 @@ int run_gpu(const Options& o, int devices) {
     for (int64_t cs : or_auto(o.sweep_comm_sms))
       for (int64_t mb : or_auto(o.sweep_minibatch_rows))
         for (int64_t ring : or_auto(o.sweep_ring_rows))
-          variants.push_back(Variant{kSweep, static_cast<int32_t>(cs), mb, false, ring});
+          variants.push_back(
+              Variant{kSweep, static_cast<int32_t>(cs), mb, false, ring, first_dtype});
   }
   const bool unfused_baseline =
       std::find(o.baselines.begin(), o.baselines.end(), kUnfused) != o.baselines.end();
   if (unfused_baseline) variants.push_back(Variant{kUnfused, 0, 0, true});
   const std::string device = device_name();
   const char* commit = std::getenv("EPFLOW_COMMIT");
-  std::printf("epflow-bench: %d x %s, EP=%d, bf16, %s routing, median of %d iterations after %d "
+  std::printf("epflow-bench: %d x %s, EP=%d, %s, %s routing, median of %d iterations after %d "
               "warm-up\n",
-              ep, device.c_str(), ep, bench::routing_name(o.routing), o.iters, o.warmup);
+              ep, device.c_str(), ep, o.fp8 ? "fp8 (e4m3, 1x128 / 128x128 scales) and bf16" : "bf16",
+              bench::routing_name(o.routing), o.iters, o.warmup);
   if (nccl_cublas)
     std::printf("baseline nccl-cublas: %s\n", bench::NcclCublasMoe::kDescription);
   if (o.check) {
@@ -1284,8 +1361,43 @@ int run_gpu(const Options& o, int devices) {
         std::vector<reference::RankExperts> experts;
         reference_layer(c, routing, T, o.seed, &inputs, &experts);
         const auto ref = reference_y(c, inputs, experts);
-        for (size_t v = 0; v < variants.size(); ++v)
-          variant_check[v] = compare(y_variant[v], ref, "reference");
+        std::vector<std::vector<float>> ref_fp8;  // the quantization-matched reference
+        if (o.fp8) {
+          std::vector<reference::RankInput> checked_inputs = inputs;
+          for (int32_t r = 0; r < ep; ++r) {
+            reference::RankInput& in = checked_inputs[r];
+            in.num_tokens = static_cast<int64_t>(checked.size());
+            in.x.clear();
+            in.topk_idx.clear();
+            in.topk_weights.clear();
+            for (int64_t t : checked) {
+              in.x.insert(in.x.end(), inputs[r].x.begin() + t * c.hidden,
+                          inputs[r].x.begin() + (t + 1) * c.hidden);
+              in.topk_idx.insert(in.topk_idx.end(), inputs[r].topk_idx.begin() + t * c.top_k,
+                                 inputs[r].topk_idx.begin() + (t + 1) * c.top_k);
+              in.topk_weights.insert(in.topk_weights.end(),
+                                     inputs[r].topk_weights.begin() + t * c.top_k,
+                                     inputs[r].topk_weights.begin() + (t + 1) * c.top_k);
+            }
+          }
+          if (Status s = reference::forward_fp8(c, checked_inputs, experts, false, &ref_fp8);
+              !s.ok()) {
+            std::fprintf(stderr, "epflow-bench: %s\n", s.to_string().c_str());
+            return 1;
+          }
+        }
+        for (size_t v = 0; v < variants.size(); ++v) {
+          if (variants[v].dtype == DType::kFP8Blockwise) {
+            variant_check[v] = compare(y_variant[v], ref_fp8, "fp8 reference");
+            const Check exact = compare(y_variant[v], ref, "reference", kFp8VsBf16Tol);
+            std::printf("  %s vs the exact reference: rel. err %.2e (tolerance %.0e; the FP8 "
+                        "reference's own %.2e)\n",
+                        variants[v].system, exact.rel_err, kFp8VsBf16Tol,
+                        compare(ref_fp8, ref, "reference").rel_err);
+          } else {
+            variant_check[v] = compare(y_variant[v], ref, "reference");
+          }
+        }
         if (nccl_cublas) base_check = compare(y_base, ref, "reference");
         if (check_backward) {
           std::vector<std::vector<float>> dy(ep);
@@ -1297,13 +1409,20 @@ int run_gpu(const Options& o, int devices) {
           }
         }
       } else {
+        // A bf16 system against the FP8 layer differs by FP8's rounding.
+        auto against_first = [&](DType dtype) {
+          return dtype == first_dtype ? kRelTol : kFp8VsBf16Tol;
+        };
         for (size_t v = 1; v < variants.size(); ++v)
-          variant_check[v] = compare(y_variant[v], y_variant[0], "epflow");
-        if (nccl_cublas) base_check = compare(y_base, y_variant[0], "epflow");
+          variant_check[v] = compare(y_variant[v], y_variant[0], variants[0].system,
+                                     against_first(variants[v].dtype));
+        if (nccl_cublas)
+          base_check = compare(y_base, y_variant[0], variants[0].system,
+                               against_first(DType::kBF16));
       }
       // The slowest rank sets the layer's time; report it, per stage too.
       const RankResult& slow = slowest(variant_results[0]);
-      print_epflow(*p, T, c, o.routing, routing, variant_results[0]);
+      print_epflow(*p, T, c, o.routing, routing, variant_results[0], variants[0].dtype);
       // Yardsticks from this run (their mean over the GPUs: GPUs of one host clock differently
       // under load): cuBLAS dense bf16 on each GPU's routed rows and the HBM copy rate (weights
       // streamed at decode sizes).
@@ -1338,6 +1457,13 @@ int run_gpu(const Options& o, int devices) {
                     roof.dense_tflops, roof_per_gpu.c_str(),
                     100.0 * layer_tflops / roof.dense_tflops,
                     weight_bytes(c) * 1e-9, stream_us, roof.hbm_copy_gbs, slow.total_us / stream_us);
+        if (o.fp8) {
+          const double fp8_stream_us = fp8_expert_weights_bytes(c) / (roof.hbm_copy_gbs * 1e3);
+          std::printf("  FP8 weights (e4m3 + scales) %.2f GB stream in %.1f us (layer = %.2fx "
+                      "that); quantizing them from bf16 (quantize_expert_weights) %.1f us\n",
+                      fp8_expert_weights_bytes(c) * 1e-9, fp8_stream_us,
+                      slow.total_us / fp8_stream_us, slow.quantize_weights_us);
+        }
         if (interleaved)
           std::printf("  (the same dense GEMMs measured at once after the systems: %.1f TFLOP/s, "
                       "layer at %.0f%% of that)\n",

@@ -1,6 +1,7 @@
-// Probe (not the benchmark): the block-scaled FP8 grouped GEMM (kernels/fp8_grouped_gemm.cuh) at
-// the DeepSeek-V3 gate|up shape (32 experts, 7168 -> 4096) with random e4m3 operands (no NaN) and
-// unit scales, 20 untimed and 20 timed calls per size, CUDA events. For the FP8 forward's
+// Probe (not the benchmark): the block-scaled FP8 grouped GEMM (kernels/fp8_grouped_gemm.cuh, the
+// FP8 megakernel's mainloop) at the DeepSeek-V3 shapes (32 experts; gate|up 7168 -> 4096, down
+// 2048 -> 7168) with random e4m3 operands (no NaN) and unit scales, 100 untimed (the sustained
+// power state) and 20 timed calls per size, CUDA events, median. For the FP8 forward's
 // development; the layer's figures come from epflow-bench.
 #include <cuda_runtime.h>
 
@@ -35,8 +36,14 @@ __global__ void fill_ones(float* p, int64_t n) {
 
 int main() {
   const int32_t E = 32;
-  const int64_t n = 4096, k = 7168;
-  for (int64_t per : {128, 512, 2048}) {
+  struct Shape {
+    const char* name;
+    int64_t n, k;
+  };
+  for (const Shape& shape : {Shape{"gate|up 7168 -> 4096", 4096, 7168},
+                             Shape{"down 2048 -> 7168", 7168, 2048}})
+  for (int64_t per : {128, 512, 1024, 2048}) {
+    const int64_t n = shape.n, k = shape.k;
     std::vector<int64_t> seg(E + 1);
     for (int32_t e = 0; e <= E; ++e) seg[e] = e * per;
     const int64_t rows = E * per;
@@ -64,7 +71,7 @@ int main() {
     g.w = w;
     g.w_scales = ws;
     g.out = out;
-    for (int i = 0; i < 20; ++i) epflow::kernels::launch_fp8_grouped_gemm(g, nullptr);
+    for (int i = 0; i < 100; ++i) epflow::kernels::launch_fp8_grouped_gemm(g, nullptr);
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
@@ -78,8 +85,8 @@ int main() {
     }
     std::sort(ms.begin(), ms.end());
     const double us = ms[10] * 1e3;
-    std::printf("fp8 grouped GEMM, 32 experts x %lld rows, 7168 -> 4096: median %.1f us, %.0f TFLOP/s (%s)\n",
-                static_cast<long long>(per), us, 2.0 * rows * n * k / us * 1e-6,
+    std::printf("fp8 grouped GEMM, 32 experts x %lld rows, %s: median %.1f us, %.0f TFLOP/s (%s)\n",
+                static_cast<long long>(per), shape.name, us, 2.0 * rows * n * k / us * 1e-6,
                 cudaGetErrorString(cudaGetLastError()));
     for (void* p : {static_cast<void*>(d_seg), static_cast<void*>(a), static_cast<void*>(w),
                     static_cast<void*>(as), static_cast<void*>(ws), static_cast<void*>(out)})

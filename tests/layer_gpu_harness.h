@@ -1,6 +1,9 @@
 // Runs the EPFlow layer on `world` local GPUs (a thread per GPU) on synthetic inputs and checks it
 // against the CPU reference: bf16-rounded inputs on both sides, outputs poisoned before every
-// call, every element checked for being written, relative error per rank.
+// call, every element checked for being written, relative error per rank. FP8 layers
+// (LayerConfig::dtype) get their weights from quantize_expert_weights on the device, and are
+// checked against the quantization-matched reference (reference::forward_token_fp8) or the
+// exact one.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -129,6 +132,17 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       EPFLOW_TRY_CUDA(cudaMalloc(&w[i], b.size() * 2));
       EPFLOW_TRY_CUDA(cudaMemcpy(w[i], b.data(), b.size() * 2, cudaMemcpyHostToDevice));
     }
+    Fp8ExpertWeights fp8_weights;
+    void* fp8_buffer = nullptr;
+    if (c.dtype == DType::kFP8Blockwise) {
+      const int64_t bytes = fp8_expert_weights_bytes(c);
+      EPFLOW_TRY_CUDA(cudaMalloc(&fp8_buffer, bytes));
+      if (Status s = quantize_expert_weights(c, {w[0], w[1], w[2]}, c.fp8_power_of_two_scales,
+                                             fp8_buffer, bytes, &fp8_weights, nullptr);
+          !s.ok())
+        return s;
+      EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
+    }
     const int64_t H = c.hidden, K = c.top_k, T_max = c.max_tokens_per_rank;
     __nv_bfloat16 *x = nullptr, *y = nullptr;
     int32_t* idx = nullptr;
@@ -153,7 +167,7 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       a.x = x;
       a.topk_idx = idx;
       a.topk_weights = tw;
-      a.weights = {w[0], w[1], w[2]};
+      a.weights = {w[0], w[1], w[2], fp8_weights};
       a.y = y;
       SavedContext saved;
       saved.buffer = context;
@@ -204,6 +218,7 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
     }
     layer.reset();
     for (auto* p : w) cudaFree(p);
+    if (fp8_buffer) cudaFree(fp8_buffer);
     cudaFree(x);
     cudaFree(y);
     cudaFree(idx);
@@ -215,14 +230,20 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
 }
 
 // Compares rank outputs with the reference on up to `max_checked_tokens` tokens per rank (all of
-// them when fewer), spread over the rank; every element of y must be finite (written).
-inline void expect_matches_reference(const LayerConfig& c,
-                                     const std::vector<reference::RankExperts>& experts,
-                                     const CallInputs& in, const std::vector<std::vector<float>>& y,
-                                     int64_t max_checked_tokens, double tolerance = 1e-2) {
+// them when fewer), spread over the rank; every element of y must be finite (written). With
+// `fp8`, the reference is the quantization-matched FP8 one over those quantized experts.
+// Returns the largest relative error over the ranks.
+inline double expect_matches_reference(const LayerConfig& c,
+                                       const std::vector<reference::RankExperts>& experts,
+                                       const CallInputs& in,
+                                       const std::vector<std::vector<float>>& y,
+                                       int64_t max_checked_tokens, double tolerance = 1e-2,
+                                       const reference::Fp8Experts* fp8 = nullptr) {
+  double worst = 0.0;
   for (int r = 0; r < c.ep_size; ++r) {
     const int64_t T = in[r].num_tokens;
-    ASSERT_EQ(static_cast<int64_t>(y[r].size()), T * c.hidden);
+    EXPECT_EQ(static_cast<int64_t>(y[r].size()), T * c.hidden);
+    if (static_cast<int64_t>(y[r].size()) != T * c.hidden) return INFINITY;
     int64_t unwritten = 0;
     for (float f : y[r]) unwritten += !std::isfinite(f);
     EXPECT_EQ(unwritten, 0) << "rank " << r << ": elements of y not written (still NaN)";
@@ -240,8 +261,14 @@ inline void expect_matches_reference(const LayerConfig& c,
       pool.emplace_back([&, w] {
         for (size_t i = w; i < tokens.size(); i += workers) {
           const int64_t t = tokens[i];
-          reference::forward_token(c, experts, &in[r].x[t * c.hidden], &in[r].topk_idx[t * c.top_k],
-                                   &in[r].topk_weights[t * c.top_k], ref[i].data());
+          if (fp8)
+            reference::forward_token_fp8(c, *fp8, &in[r].x[t * c.hidden],
+                                         &in[r].topk_idx[t * c.top_k],
+                                         &in[r].topk_weights[t * c.top_k], ref[i].data());
+          else
+            reference::forward_token(c, experts, &in[r].x[t * c.hidden],
+                                     &in[r].topk_idx[t * c.top_k],
+                                     &in[r].topk_weights[t * c.top_k], ref[i].data());
         }
       });
     for (auto& t : pool) t.join();
@@ -252,12 +279,15 @@ inline void expect_matches_reference(const LayerConfig& c,
         err += d * d;
         norm += double(ref[i][j]) * ref[i][j];
       }
-    if (norm > 0)
+    if (norm > 0) {
       EXPECT_LE(std::sqrt(err / norm), tolerance)
           << "rank " << r << ": relative error over " << tokens.size() << " tokens";
-    else
+      worst = std::max(worst, std::sqrt(err / norm));
+    } else {
       EXPECT_EQ(err, 0.0) << "rank " << r << ": reference is zero, output is not";
+    }
   }
+  return worst;
 }
 
 // Synthetic inputs rounded to bf16, so the reference sees exactly what the GPU sees.

@@ -8,12 +8,15 @@
 
 namespace epflow {
 
-// Data type of the expert GEMMs. Activations and weights enter and leave the API in bf16 either
-// way; the low-precision modes quantize inside the layer.
+// Data type of the expert GEMMs. Activations enter and leave the API in bf16 either way.
 enum class DType {
   kBF16,
-  kFP8Blockwise,  // e4m3, 1x128 activation / 128x128 weight scales (not implemented yet)
-  kMXFP8,         // e4m3 + one e8m0 scale per 32 values, wire/storage format (not implemented yet)
+  // e4m3 with fp32 block scales (DeepSeek-V3's recipe): x rows quantized 1 x 128 by their owner
+  // (and sent over NVLink so), weights 128 x 128 (ExpertWeights::fp8, quantize_expert_weights),
+  // h 1 x 128 in the SwiGLU epilogue; fp32 accumulation; bf16 combine. Forward only (inference):
+  // with_backward is refused. H and I multiples of 128.
+  kFP8Blockwise,
+  kMXFP8,  // e4m3 + one e8m0 scale per 32 values, wire/storage format (not implemented yet)
 };
 
 const char* to_string(DType dtype);
@@ -45,6 +48,9 @@ struct LayerConfig {
   int64_t max_tokens_per_rank = 0;
 
   DType dtype = DType::kBF16;
+  // kFP8Blockwise: the activation scales (x's and h's) are powers of two (UE8M0-representable)
+  // instead of amax / 448. quantize_expert_weights takes its own switch for the weights'.
+  bool fp8_power_of_two_scales = false;
 
   // Knobs. 0 means "choose automatically" (see runtime heuristics).
   int32_t comm_sms = 0;        // SMs of the megakernel's communication partition

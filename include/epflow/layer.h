@@ -16,11 +16,34 @@ namespace epflow {
 
 // This rank's experts, row-major bf16 on the device (the layout of torch.nn.Linear weights):
 // gate and up [E_local, I, H], down [E_local, H, I].
+// FP8 layers (LayerConfig::dtype = kFP8Blockwise) read `fp8` instead: the same matrices as e4m3
+// bytes (OCP E4M3FN) in the same layouts, and one fp32 scale per 128 x 128 block, row-major over
+// the blocks: gate and up scales [E_local, I / 128, H / 128], down [E_local, H / 128, I / 128];
+// an element is its e4m3 value times its block's scale. quantize_expert_weights makes them.
+struct Fp8ExpertWeights {
+  const uint8_t* gate = nullptr;
+  const uint8_t* up = nullptr;
+  const uint8_t* down = nullptr;
+  const float* gate_scales = nullptr;
+  const float* up_scales = nullptr;
+  const float* down_scales = nullptr;
+};
 struct ExpertWeights {
   const __nv_bfloat16* gate = nullptr;
   const __nv_bfloat16* up = nullptr;
   const __nv_bfloat16* down = nullptr;
+  Fp8ExpertWeights fp8 = {};  // FP8 layers only
 };
+
+// Bytes of device memory quantize_expert_weights needs for one rank's experts of `config`.
+int64_t fp8_expert_weights_bytes(const LayerConfig& config);
+// Quantizes this rank's bf16 expert weights 128 x 128 into `buffer` (device memory of at least
+// fp8_expert_weights_bytes bytes, 256-byte aligned) and points *out at them; stream-ordered, no
+// host sync (training keeps bf16 or fp32 master weights and re-quantizes after each optimizer
+// step). Scales are amax / 448 per block, or the next power of two with power_of_two_scales.
+Status quantize_expert_weights(const LayerConfig& config, const ExpertWeights& bf16_weights,
+                               bool power_of_two_scales, void* buffer, int64_t buffer_bytes,
+                               Fp8ExpertWeights* out, cudaStream_t stream);
 
 struct ForwardArgs {
   int64_t num_tokens = 0;                 // T on this rank, 0 <= T <= max_tokens_per_rank

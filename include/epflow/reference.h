@@ -80,8 +80,7 @@ Status weight_grad_elements(const LayerConfig& config, const std::vector<RankInp
                             const std::vector<WeightGradElement>& elements,
                             std::vector<float>* values);
 
-// --- FP8, block-scaled (LayerConfig::dtype = kFP8Blockwise; the GPU path is not implemented
-// yet). e4m3 values with one fp32 scale per block: 1 x 128 for activations (a row's 128
+// --- FP8, block-scaled (LayerConfig::dtype = kFP8Blockwise). e4m3 values with one fp32 scale per block: 1 x 128 for activations (a row's 128
 // consecutive columns), 128 x 128 for weights; a last partial block scales what it has. See
 // src/common/fp8_blocks.h for the rounding, saturation and NaN rules.
 
@@ -102,5 +101,22 @@ void quantize_blocks_128x128(const float* w, int64_t rows, int64_t cols, bool po
 Status forward_fp8(const LayerConfig& config, const std::vector<RankInput>& inputs,
                    const std::vector<RankExperts>& experts, bool power_of_two_scales,
                    std::vector<std::vector<float>>* y);
+
+// An expert matrix [n, k] quantized 128 x 128: q [n, k], scales [ceil(n / 128), ceil(k / 128)].
+struct Fp8Matrix {
+  int64_t n = 0, k = 0;
+  std::vector<uint8_t> q;
+  std::vector<float> scales;
+};
+// Every rank's experts quantized once, by global expert id.
+struct Fp8Experts {
+  std::vector<Fp8Matrix> gate, up, down;
+  bool power_of_two_scales = false;
+};
+Fp8Experts quantize_experts_fp8(const LayerConfig& config, const std::vector<RankExperts>& experts,
+                                bool power_of_two_scales);
+// One token's output row of forward_fp8 (spot checks of shapes too large to run whole).
+void forward_token_fp8(const LayerConfig& config, const Fp8Experts& experts, const float* x_row,
+                       const int32_t* topk_idx_row, const float* topk_weights_row, float* y_row);
 
 }  // namespace epflow::reference

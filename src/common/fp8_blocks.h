@@ -38,6 +38,17 @@ EPFLOW_HD __nv_fp8_storage_t quantize(float v, float scale) {
   return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
 }
 
+// max(|a|, |b|) of two magnitudes where a NaN wins (fmaxf would drop it): a block's amax.
+EPFLOW_HD float amax_nan(float a, float b) { return (a != a || b != b) ? NAN : fmaxf(a, b); }
+
+// A row of cols e4m3 values followed by its ceil(cols / 128) fp32 scales, padded to 16 bytes
+// (the unit of a bulk copy): how the FP8 layer keeps x rows on the wire and x and h rows in its
+// ring, so one copy moves a row with its scales.
+EPFLOW_HD int64_t packed_row_bytes(int64_t cols) {
+  const int64_t scale_bytes = (cols + kBlock - 1) / kBlock * 4;
+  return cols + (scale_bytes + 15) / 16 * 16;
+}
+
 // The float an e4m3 byte holds.
 EPFLOW_HD float to_float(__nv_fp8_storage_t q) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E4M3)));

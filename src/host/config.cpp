@@ -6,6 +6,10 @@
 
 namespace epflow {
 
+namespace {
+constexpr int64_t kFp8Block = 128;
+}  // namespace
+
 const char* to_string(DType dtype) {
   switch (dtype) {
     case DType::kBF16:
@@ -57,6 +61,11 @@ Status validate(const LayerConfig& c) {
   if (c.max_tokens_per_rank * c.top_k > Limits::kMaxSlotsPerRank)
     return invalid_argument("max_tokens_per_rank * top_k (", c.max_tokens_per_rank * c.top_k,
                             ") exceeds ", Limits::kMaxSlotsPerRank, " slots per rank");
+  if (c.dtype == DType::kFP8Blockwise &&
+      (c.hidden % kFp8Block != 0 || c.intermediate % kFp8Block != 0))
+    return invalid_argument("dtype fp8-blockwise needs hidden (", c.hidden, ") and intermediate (",
+                            c.intermediate, ") to be multiples of ", kFp8Block,
+                            " (one scale block per 128 of K)");
   if (c.comm_sms < 0)
     return invalid_argument("comm_sms (", c.comm_sms, ") must be >= 0 (0 = auto)");
   if (c.minibatch_rows < 0)

@@ -27,6 +27,16 @@ kernels::MegakernelArgs megakernel_args(const LayerWorkspace& ws, const SavedAct
   m.w_gate = w.gate;
   m.w_up = w.up;
   m.w_down = w.down;
+  if (c.dtype == DType::kFP8Blockwise) {
+    m.fp8 = true;
+    m.fp8_pow2_scales = c.fp8_power_of_two_scales;
+    m.w_gate_fp8 = w.fp8.gate;
+    m.w_up_fp8 = w.fp8.up;
+    m.w_down_fp8 = w.fp8.down;
+    m.w_gate_scales = w.fp8.gate_scales;
+    m.w_up_scales = w.fp8.up_scales;
+    m.w_down_scales = w.fp8.down_scales;
+  }
   m.rank = c.ep_rank;
   m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);
   m.diagnostic = ws.reports.megakernel_device;

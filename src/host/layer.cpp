@@ -6,6 +6,7 @@
 
 #include "common/status_util.h"
 #include "host/layer_core.h"
+#include "kernels/fp8_quantize.cuh"
 
 namespace epflow {
 
@@ -29,8 +30,67 @@ Status validate(const LayerConfig& c, const ForwardArgs& a) {
     EPFLOW_RETURN_IF_ERROR(require(a.y != nullptr, "y is null"));
   }
   // Weights are needed even at T = 0: peers' tokens may still route to this rank's experts.
+  if (c.dtype == DType::kFP8Blockwise) {
+    const Fp8ExpertWeights& w = a.weights.fp8;
+    return require(w.gate && w.up && w.down && w.gate_scales && w.up_scales && w.down_scales,
+                   "an fp8-blockwise layer reads ExpertWeights::fp8: its e4m3 weights and "
+                   "scales (gate, up, down) must all be set (quantize_expert_weights)");
+  }
   return require(a.weights.gate && a.weights.up && a.weights.down,
                  "expert weights (gate, up, down) must all be set");
+}
+
+namespace {
+
+// quantize_expert_weights' buffer: the three e4m3 matrices, then their scales, each region
+// 256-byte aligned. offsets[i]: start of region i (gate, up, down, their scales); [6]: the end.
+void fp8_weight_regions(const LayerConfig& c, int64_t offsets[7]) {
+  const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
+  const int64_t hb = (H + 127) / 128, ib = (I + 127) / 128;
+  const int64_t sizes[6] = {E * I * H, E * I * H, E * H * I, E * ib * hb * 4, E * ib * hb * 4,
+                            E * hb * ib * 4};
+  int64_t at = 0;
+  for (int i = 0; i < 6; ++i) {
+    offsets[i] = at;
+    at += (sizes[i] + 255) / 256 * 256;
+  }
+  offsets[6] = at;
+}
+
+}  // namespace
+
+int64_t fp8_expert_weights_bytes(const LayerConfig& config) {
+  int64_t offsets[7];
+  fp8_weight_regions(config, offsets);
+  return offsets[6];
+}
+
+Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, bool pow2,
+                               void* buffer, int64_t buffer_bytes, Fp8ExpertWeights* out,
+                               cudaStream_t stream) {
+  EPFLOW_RETURN_IF_ERROR(validate(c));
+  EPFLOW_RETURN_IF_ERROR(require(out != nullptr, "output pointer is null"));
+  EPFLOW_RETURN_IF_ERROR(require(w.gate && w.up && w.down,
+                                 "bf16 expert weights (gate, up, down) must all be set"));
+  int64_t at[7];
+  fp8_weight_regions(c, at);
+  if (buffer == nullptr || buffer_bytes < at[6])
+    return invalid_argument("the FP8 weights' buffer must be device memory of at least ", at[6],
+                            " bytes (fp8_expert_weights_bytes), got ", buffer_bytes,
+                            buffer ? "" : " (null)");
+  EPFLOW_RETURN_IF_ERROR(require(reinterpret_cast<uintptr_t>(buffer) % 256 == 0,
+                                 "the FP8 weights' buffer must be 256-byte aligned"));
+  auto* base = static_cast<uint8_t*>(buffer);
+  const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
+  auto scales = [&](int i) { return reinterpret_cast<float*>(base + at[i]); };
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.gate, E, I, H, pow2, base + at[0],
+                                                              scales(3), stream));
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.up, E, I, H, pow2, base + at[1],
+                                                              scales(4), stream));
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.down, E, H, I, pow2, base + at[2],
+                                                              scales(5), stream));
+  *out = Fp8ExpertWeights{base + at[0], base + at[1], base + at[2], scales(3), scales(4), scales(5)};
+  return Status::ok_status();
 }
 
 Status validate(const LayerConfig& c, const SavedContext& saved, const BackwardArgs& a) {

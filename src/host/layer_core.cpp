@@ -7,8 +7,10 @@
 #include <memory>
 #include <utility>
 
+#include "common/fp8_blocks.h"
 #include "common/status_util.h"
 #include "host/fused_passes.h"
+#include "kernels/fp8_quantize.cuh"
 
 namespace epflow {
 
@@ -17,9 +19,13 @@ namespace {
 // A config this build can run, before anything touches the device.
 Status check_supported(const LayerConfig& config) {
   EPFLOW_RETURN_IF_ERROR(validate(config));
-  if (config.dtype != DType::kBF16)
+  if (config.dtype == DType::kMXFP8)
     return error_status(StatusCode::kNotImplemented, "dtype ", to_string(config.dtype),
-                        " is not implemented yet: only bf16");
+                        " is not implemented yet: bf16 and fp8-blockwise are");
+  if (config.dtype == DType::kFP8Blockwise && config.with_backward)
+    return error_status(StatusCode::kNotImplemented,
+                        "the fp8-blockwise layer's backward is not implemented yet: its forward "
+                        "runs for inference (with_backward = false); train in bf16");
   return Status::ok_status();
 }
 
@@ -169,9 +175,18 @@ Status LayerCore::run_forward(const ForwardArgs& a, cudaStream_t stream, SavedCo
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
   char* mine = ws_->local_window();
   if (T > 0) {
-    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + ws_->layout.x, a.x,
-                                       sizeof(__nv_bfloat16) * T * c.hidden,
-                                       cudaMemcpyDeviceToDevice, stream));
+    if (c.dtype == DType::kFP8Blockwise) {
+      // Quantized once, by the owner, into packed rows that peers pull as they are.
+      uint8_t* rows = reinterpret_cast<uint8_t*>(mine + ws_->layout.x);
+      const int64_t row_bytes = fp8::packed_row_bytes(c.hidden);
+      EPFLOW_CUDA_RETURN(kernels::launch_quantize_rows_1x128(
+          a.x, T, c.hidden, c.fp8_power_of_two_scales, rows,
+          reinterpret_cast<float*>(rows + c.hidden), stream, row_bytes, row_bytes / 4));
+    } else {
+      EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + ws_->layout.x, a.x,
+                                         sizeof(__nv_bfloat16) * T * c.hidden,
+                                         cudaMemcpyDeviceToDevice, stream));
+    }
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + ws_->layout.topk_idx, a.topk_idx,
                                        sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
                                        stream));

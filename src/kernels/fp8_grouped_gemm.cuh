@@ -1,9 +1,10 @@
-// Block-scaled FP8 grouped GEMM over expert-grouped rows (the forward's GEMMs in FP8; standalone
-// for now): for every expert e's rows r (ExpertSegments), out[r, :] = sum over 128-deep K blocks
-// kb of (a[r, kb] · w[e, :, kb]ᵀ) * a_scales[r, kb] * w_scales[e, n / 128, kb], bf16 out. The
-// DeepSeek-V3 recipe: a in 1 x 128 blocks, w in 128 x 128 (src/common/fp8_blocks.h); each
-// block's products are summed by the tensor cores and promoted into fp32 accumulators with the
-// two scales (Hopper's FP8 MMA keeps too few accumulator bits for a whole K).
+// Block-scaled FP8 grouped GEMM over expert-grouped rows, standalone (tests and benchmarks of the
+// mainloop the FP8 megakernel runs, grouped_gemm.cuh): for every expert e's rows r
+// (ExpertSegments), out[r, :] = sum over 128-deep K blocks kb of (a[r, kb] · w[e, :, kb]ᵀ) *
+// a_scales[r, kb] * w_scales[e, n / 128, kb], bf16 out. The DeepSeek-V3 recipe: a in 1 x 128
+// blocks, w in 128 x 128 (src/common/fp8_blocks.h); each block's products are summed by the
+// tensor cores and promoted into fp32 accumulators with the two scales (Hopper's FP8 MMA keeps
+// too few accumulator bits for a whole K).
 #pragma once
 
 #include <cuda_bf16.h>

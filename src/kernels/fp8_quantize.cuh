@@ -10,10 +10,13 @@
 
 namespace epflow::kernels {
 
-// x [rows, cols] -> q [rows, cols], scales [rows, ceil(cols / 128)].
+// x [rows, cols] -> q [rows, cols], scales [rows, ceil(cols / 128)]: row r's values at
+// q + r * q_stride bytes, its scales at scales + r * scale_stride floats (0: densely packed; the
+// FP8 layer writes packed rows, fp8::packed_row_bytes, into its window).
 cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int64_t cols,
                                        bool power_of_two_scales, uint8_t* q, float* scales,
-                                       cudaStream_t stream);
+                                       cudaStream_t stream, int64_t q_stride = 0,
+                                       int64_t scale_stride = 0);
 
 // w [matrices, rows, cols] -> q (same shape), scales [matrices, ceil(rows / 128),
 // ceil(cols / 128)]. One matrix per expert: a block never spans two.

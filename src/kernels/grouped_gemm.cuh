@@ -20,6 +20,15 @@
 // expert e, so each thread holds gate and up of the same columns and writes silu(g) * u as bf16
 // (no [rows, 2I] tensor); kStore (down): writes the 256 columns as bf16.
 //
+// Operands::kFP8 (the FP8 layer): e4m3 rows and weights with block scales (DeepSeek-V3's 1 x 128
+// and 128 x 128, Fp8Scales). A K block is then 128 elements, one scale block and again 128 bytes
+// a row, so stages, boxes and swizzle are the bf16 ones byte for byte. Each consumer warpgroup
+// multiplies its 64 rows by the tile's two 128-column halves in turn, m64n128k32 e4m3 wgmmas
+// into 64 partial sums per half, and promotes them into the fp32 accumulators with the row's
+// and the half's weight-block scale (the tensor cores' FP8 accumulation keeps too few bits for a
+// whole K). The partial sums land in the same registers a bf16 m64n256 tile's accumulators
+// would, so the epilogues are shared; kSwiGLU also quantizes h 1 x 128 in its epilogue.
+//
 // The tile loop is split into produce_tile / consume_tile so a persistent megakernel can feed
 // tiles one at a time ("compute tile (m, n) once its rows are ready"); grouped_gemm_kernel is the
 // standalone persistent driver.
@@ -30,6 +39,7 @@
 
 #include <cstdint>
 
+#include "common/fp8_blocks.h"
 #include "common/routing_schedule.h"
 #include "common/tile.h"
 #include "kernels/tensor_map.h"
@@ -44,13 +54,31 @@ enum class WeightMajor { kK, kN };
 // reduction runs down the rows (weight gradients: A = dyᵀ over an expert's rows, M contiguous),
 // loaded like an N-major weight tile: 64 M x 64 K boxes, one per consumer warpgroup.
 enum class RowsMajor { kK, kM };
+enum class Operands { kBF16, kFP8 };
 
 inline constexpr int kBlockK = 64;   // one 128-byte swizzle row of bf16
 inline constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
 inline constexpr int kGroupM = 8;     // tiles are walked in bands of kGroupM row tiles
+// Elements of a K block: 128 bytes of a row either way.
+template <Operands kOp>
+inline constexpr int kBlockKElems = kOp == Operands::kFP8 ? fp8::kBlock : kBlockK;
 
 template <Epilogue kEpi>
 inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kTileCols / 2 : kTileCols;
+
+// Where an FP8 tile's fp32 block scales are. A (1 x 128): row r's scale of K block kb at
+// a[r * a_row_floats + kb]. B (128 x 128), [experts, n_blocks, k_blocks] each: kSwiGLU takes
+// the tile's gate half from b0 and its up half from b1, both block n_tile; kStore takes blocks
+// 2 n_tile and 2 n_tile + 1 of b0. power_of_two: h's scales in the kSwiGLU epilogue.
+struct Fp8Scales {
+  const float* a = nullptr;
+  int64_t a_row_floats = 0;
+  const float* b0 = nullptr;
+  const float* b1 = nullptr;
+  int32_t n_blocks = 0;
+  int32_t k_blocks = 0;
+  bool power_of_two = false;
+};
 
 struct GemmParams {
   const int64_t* seg_offset = nullptr;   // device [experts + 1]
@@ -59,6 +87,7 @@ struct GemmParams {
   int32_t n_out = 0;  // output columns (I for gate/up, H for down); multiple of 64
   int32_t k = 0;      // reduction length, multiple of kBlockK
   int32_t b0_k_blocks = 0;  // WeightMajor::kN: k-blocks read from map_b0 (0: all of them)
+  Fp8Scales fp8;            // Operands::kFP8 only
 
   static GemmParams of(const int64_t* seg_offset, const int32_t* expert_rows, int32_t experts,
                        int64_t n_out, int64_t k) {
@@ -191,7 +220,8 @@ __device__ __forceinline__ void wait_tag_read(const StageTags& tags, PipelineSta
   ps.tag_parity ^= 1u << ps.stage;
 }
 
-template <Epilogue kEpi, int kStages, int kStaging, WeightMajor kMajor = WeightMajor::kK>
+template <Epilogue kEpi, int kStages, int kStaging, WeightMajor kMajor = WeightMajor::kK,
+          Operands kOp = Operands::kBF16>
 __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, const CUtensorMap* map_a,
@@ -204,6 +234,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
   // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
   // sizes) loads only whole 16-row boxes covering them: the rest of the A stage keeps stale
   // data, which only feeds output rows that are padding (never read: combine skips them).
+  constexpr int kKElems = kBlockKElems<kOp>;
   const bool full_rows = c.rows == kTileRows;
   const int32_t row_boxes = (c.rows + kRowBoxM - 1) / kRowBoxM;
   const uint32_t a_bytes = (full_rows ? kTileRows : row_boxes * kRowBoxM) * kBlockK * 2;
@@ -217,15 +248,16 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
     uint64_t* full = &s.full[ps.stage];
     ptx::mbarrier_arrive_expect_tx(full, bytes);
     if (full_rows) {
-      ptx::tma_load_2d(s.a[ps.stage], map_a, kb * kBlockK, c.a_row, full);
+      ptx::tma_load_2d(s.a[ps.stage], map_a, kb * kKElems, c.a_row, full);
     } else {
       for (int32_t box = 0; box < row_boxes; ++box)
-        ptx::tma_load_2d(s.a[ps.stage] + box * kRowBoxM * kBlockK * 2, map_a_rows, kb * kBlockK,
+        ptx::tma_load_2d(s.a[ps.stage] + box * kRowBoxM * kBlockK * 2, map_a_rows, kb * kKElems,
                          c.a_row + box * kRowBoxM, full);
     }
     if constexpr (kMajor == WeightMajor::kN) {
       // Four boxes of 64 N x 64 K, 8 KB apart (the layout smem_desc_n_major_sw128 describes).
-      static_assert(kEpi == Epilogue::kStore, "N-major weights feed plain outputs");
+      static_assert(kEpi == Epilogue::kStore && kOp == Operands::kBF16,
+                    "N-major weights feed plain bf16 outputs");
       const bool first = b0_k_blocks == 0 || kb < b0_k_blocks;
       const CUtensorMap* map_b = first ? map_b0 : map_b1;
       const int32_t k = (first ? kb : kb - b0_k_blocks) * kBlockK;
@@ -235,22 +267,24 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                          c.n_tile * kTileCols + box * 64, k, c.expert, full);
     } else if constexpr (kEpi == Epilogue::kSwiGLU) {
       constexpr int kHalf = kTileCols / 2;
-      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kHalf, c.expert, full);
-      ptx::tma_load_3d(s.b[ps.stage] + kHalf * kBlockK * 2, map_b1, kb * kBlockK, c.n_tile * kHalf,
+      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kKElems, c.n_tile * kHalf, c.expert, full);
+      ptx::tma_load_3d(s.b[ps.stage] + kHalf * kBlockK * 2, map_b1, kb * kKElems, c.n_tile * kHalf,
                        c.expert, full);
     } else {
-      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kBlockK, c.n_tile * kTileCols, c.expert, full);
+      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kKElems, c.n_tile * kTileCols, c.expert, full);
     }
   }
 }
 
-// TMA stores of one consumer warpgroup's staged output rows (64 rows x kOutCols columns).
-template <Epilogue kEpi>
+// TMA stores of one consumer warpgroup's staged output rows (64 rows x kOutCols columns: bf16
+// in boxes of 64 columns, or e4m3 in one box of 128).
+template <Epilogue kEpi, Operands kOut = Operands::kBF16>
 __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const uint8_t* staging,
                                               const TileCoord& c, int wg) {
+  constexpr int kBoxCols = kOut == Operands::kFP8 ? 128 : 64;
 #pragma unroll
-  for (int box = 0; box < kOutCols<kEpi> / 64; ++box)
-    ptx::tma_store_2d(map_out, staging + box * 64 * 128, c.n_tile * kOutCols<kEpi> + box * 64,
+  for (int box = 0; box < kOutCols<kEpi> / kBoxCols; ++box)
+    ptx::tma_store_2d(map_out, staging + box * 64 * 128, c.n_tile * kOutCols<kEpi> + box * kBoxCols,
                       c.a_row + wg * 64);
   ptx::tma_store_commit();
 }
@@ -287,12 +321,86 @@ struct DirectStoreSink {
   __device__ void skip(int, int) {}
 };
 
+// The FP8 mainloop of one consumer warpgroup (Operands::kFP8): per K block, each 128-column
+// half of the tile as four m64n128k32 e4m3 wgmmas into `part`, then promoted into acc (the
+// half's registers of an m64n256 accumulator) scaled by the row's and the half's block scale.
+// NOTES: wait_group 0 per half: part is reused by the next half. The two consumer warpgroups
+// interleave on the tensor cores, so one's promotion overlaps the other's wgmmas. A block's
+// scales are loaded one block ahead, while the wgmmas of the current one run.
+template <Epilogue kEpi, int kStages, int kStaging>
+__device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
+                                             PipelineState<kStages>& ps, const TileCoord& c,
+                                             int32_t k_blocks, int wg, const Fp8Scales& sc,
+                                             float (&acc)[kTileCols / 2]) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, g = tid % 32 / 4;
+  // The rows' scales bypass L1 (__ldcg): in a megakernel they were written by other SMs into a
+  // ring slot this SM may have read in an earlier round.
+  const float* a0s = sc.a + (int64_t{c.a_row} + wg * 64 + warp * 16 + g) * sc.a_row_floats;
+  const float* a1s = a0s + 8 * sc.a_row_floats;
+  const int64_t expert_blocks = int64_t{c.expert} * sc.n_blocks;
+  const float* b0s;
+  const float* b1s;
+  if constexpr (kEpi == Epilogue::kSwiGLU) {
+    b0s = sc.b0 + (expert_blocks + c.n_tile) * sc.k_blocks;
+    b1s = sc.b1 + (expert_blocks + c.n_tile) * sc.k_blocks;
+  } else {
+    // A last tile past n reads zero weights (TMA): any block's scale will do for its second half.
+    const int32_t second = min(2 * c.n_tile + 1, sc.n_blocks - 1);
+    b0s = sc.b0 + (expert_blocks + 2 * c.n_tile) * sc.k_blocks;
+    b1s = sc.b0 + (expert_blocks + second) * sc.k_blocks;
+  }
+  const uint64_t a_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
+  const uint64_t b_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
+  constexpr uint32_t kHalfBytes = kTileCols / 2 * 128;  // a half's 128 weight rows of 128 B
+  float part[kTileCols / 4];
+  float next_a0 = __ldcg(a0s), next_a1 = __ldcg(a1s), next_b0 = __ldg(b0s), next_b1 = __ldg(b1s);
+  for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
+    const float sa0 = next_a0, sa1 = next_a1, sb0 = next_b0, sb1 = next_b1;
+    if (kb + 1 < k_blocks) {
+      next_a0 = __ldcg(a0s + kb + 1), next_a1 = __ldcg(a1s + kb + 1);
+      next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
+    }
+    ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
+    const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
+    const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        ptx::wgmma_m64n128k32_e4m3(part, ptx::smem_desc_advance(a_desc, kk * 32),
+                                   ptx::smem_desc_advance(b_desc, half * kHalfBytes + kk * 32),
+                                   kk > 0);
+      ptx::wgmma_commit_group();
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(part);
+      if (half == 1 && tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
+      const float sb = half == 0 ? sb0 : sb1;
+      const float s0 = sa0 * sb, s1 = sa1 * sb;
+      float* d = acc + half * (kTileCols / 4);
+#pragma unroll
+      for (int j = 0; j < kTileCols / 16; ++j) {
+        const float* v = part + 4 * j;
+        if (kb == 0) {
+          d[4 * j] = v[0] * s0, d[4 * j + 1] = v[1] * s0;
+          d[4 * j + 2] = v[2] * s1, d[4 * j + 3] = v[3] * s1;
+        } else {
+          d[4 * j] = fmaf(v[0], s0, d[4 * j]), d[4 * j + 1] = fmaf(v[1], s0, d[4 * j + 1]);
+          d[4 * j + 2] = fmaf(v[2], s1, d[4 * j + 2]), d[4 * j + 3] = fmaf(v[3], s1, d[4 * j + 3]);
+        }
+      }
+    }
+  }
+}
+
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
 template <Epilogue kEpi, int kStages, int kStaging, class Sink,
-          WeightMajor kMajor = WeightMajor::kK, RowsMajor kRows = RowsMajor::kK>
+          WeightMajor kMajor = WeightMajor::kK, RowsMajor kRows = RowsMajor::kK,
+          Operands kOp = Operands::kBF16>
 __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
-                                             int32_t k_blocks, int wg, Sink& sink) {
+                                             int32_t k_blocks, int wg, Sink& sink,
+                                             const Fp8Scales& fp8_scales = {}) {
   const int tid = threadIdx.x % 128;
   if (c.rows <= wg * 64) {
     // NOTES: all 64 rows are segment padding (decode-size batches): keep the pipeline's
@@ -312,48 +420,53 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   }
   if constexpr (Sink::kDirect) sink.prepare(c, wg, tid);
   float acc[kTileCols / 2];
-  constexpr bool kMMajor = kRows == RowsMajor::kM;
-  if constexpr (kMMajor) {
-    // A weight gradient of an expert with no rows is zero (no wgmma writes the accumulators).
-    if (k_blocks == 0)
+  if constexpr (kOp == Operands::kFP8) {
+    static_assert(kMajor == WeightMajor::kK && kRows == RowsMajor::kK, "FP8: the forward's GEMMs");
+    fp8_mainloop<kEpi>(s, ps, c, k_blocks, wg, fp8_scales, acc);
+  } else {
+    constexpr bool kMMajor = kRows == RowsMajor::kM;
+    if constexpr (kMMajor) {
+      // A weight gradient of an expert with no rows is zero (no wgmma writes the accumulators).
+      if (k_blocks == 0)
 #pragma unroll
-      for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
-  }
-  // Stage 0's descriptors; a stage and a 16-element step along K are fixed byte offsets from them.
-  const uint64_t a_desc0 =
-      kMMajor ? ptx::smem_desc_n_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * kBlockK * 2)
-              : ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
-  constexpr uint32_t kAStepBytes = kMMajor ? 16 * 128 : 32;
-  constexpr bool kNMajor = kMajor == WeightMajor::kN;
-  const uint64_t b_desc0 = kNMajor ? ptx::smem_desc_n_major_sw128(ptx::smem_addr(s.b[0]))
-                                   : ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
-  // A 16-deep K step: 32 B along a K-major row, or 16 rows of 128 B down an N-major box.
-  constexpr uint32_t kBStepBytes = kNMajor ? 16 * 128 : 32;
-  // NOTES: release stage kb-1 only after the wgmma group of kb is issued and kb-1's has
-  // retired (wait_group 1): the tensor cores always have the next k-block queued.
-  PipelineState<kStages> release = ps;
-  for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
-    ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
-    const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
-    const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      ptx::wgmma_m64n256k16_bf16<kMMajor ? 1 : 0, kNMajor ? 1 : 0>(
-          acc, ptx::smem_desc_advance(a_desc, kk * kAStepBytes),
-          ptx::smem_desc_advance(b_desc, kk * kBStepBytes), kb > 0 || kk > 0);
+        for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
     }
-    ptx::wgmma_commit_group();
+    // Stage 0's descriptors; a stage and a 16-element step along K are fixed offsets from them.
+    const uint64_t a_desc0 =
+        kMMajor ? ptx::smem_desc_n_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * kBlockK * 2)
+                : ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
+    constexpr uint32_t kAStepBytes = kMMajor ? 16 * 128 : 32;
+    constexpr bool kNMajor = kMajor == WeightMajor::kN;
+    const uint64_t b_desc0 = kNMajor ? ptx::smem_desc_n_major_sw128(ptx::smem_addr(s.b[0]))
+                                     : ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
+    // A 16-deep K step: 32 B along a K-major row, or 16 rows of 128 B down an N-major box.
+    constexpr uint32_t kBStepBytes = kNMajor ? 16 * 128 : 32;
+    // NOTES: release stage kb-1 only after the wgmma group of kb is issued and kb-1's has
+    // retired (wait_group 1): the tensor cores always have the next k-block queued.
+    PipelineState<kStages> release = ps;
+    for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
+      ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
+      const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
+      const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        ptx::wgmma_m64n256k16_bf16<kMMajor ? 1 : 0, kNMajor ? 1 : 0>(
+            acc, ptx::smem_desc_advance(a_desc, kk * kAStepBytes),
+            ptx::smem_desc_advance(b_desc, kk * kBStepBytes), kb > 0 || kk > 0);
+      }
+      ptx::wgmma_commit_group();
+      ptx::wgmma_fence_operands(acc);
+      if (kb > 0) {
+        ptx::wgmma_wait_group<1>();
+        if (tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
+        release.advance();
+      }
+    }
+    ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(acc);
-    if (kb > 0) {
-      ptx::wgmma_wait_group<1>();
-      if (tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
-      release.advance();
-    }
+    if (k_blocks > 0 && tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
   }
-  ptx::wgmma_wait_group<0>();
-  ptx::wgmma_fence_operands(acc);
-  if (k_blocks > 0 && tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
 
   if constexpr (Sink::kDirect) {
     static_assert(kEpi == Epilogue::kStore, "direct sinks take plain outputs");
@@ -382,7 +495,43 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
       *reinterpret_cast<__nv_bfloat162*>(staging + box * 64 * 128 + row * 128 + chunk * 16 +
                                          4 * q) = __floats2bfloat162_rn(v0, v1);
     };
-    if constexpr (kEpi == Epilogue::kSwiGLU) {
+    if constexpr (kEpi == Epilogue::kSwiGLU && kOp == Operands::kFP8) {
+      // h = silu(g) * u in place of g; a row's 128 columns of h are one 1 x 128 block, spread
+      // over the four lanes of a quad: its amax by two shuffles, then e4m3 bytes into the
+      // 128B-swizzled staging (one box of 128 columns) and the scale to the sink.
+      constexpr int kUp = kTileCols / 2 / 8 * 4;
+      float amax[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < kOutCols<kEpi> / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float gate = acc[4 * j + i], up = acc[kUp + 4 * j + i];
+          acc[4 * j + i] = gate / (1.0f + __expf(-gate)) * up;
+          amax[i / 2] = fp8::amax_nan(amax[i / 2], fabsf(acc[4 * j + i]));
+        }
+      float scale[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        amax[half] = fp8::amax_nan(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 1));
+        amax[half] = fp8::amax_nan(amax[half], __shfl_xor_sync(0xffffffffu, amax[half], 2));
+        scale[half] = fp8::block_scale(amax[half], fp8_scales.power_of_two);
+      }
+#pragma unroll
+      for (int j = 0; j < kOutCols<kEpi> / 8; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = warp * 16 + g + 8 * half;
+          const float* v = acc + 4 * j + 2 * half;
+          const uint16_t pair = static_cast<uint16_t>(fp8::quantize(v[0], scale[half]) |
+                                                      (fp8::quantize(v[1], scale[half]) << 8));
+          *reinterpret_cast<uint16_t*>(staging + row * 128 + ((j / 2) ^ (row % 8)) * 16 +
+                                       (j % 2) * 8 + 2 * q) = pair;
+        }
+      if (q == 0)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) sink.put_scale(c, wg, warp * 16 + g + 8 * half,
+                                                           scale[half]);
+    } else if constexpr (kEpi == Epilogue::kSwiGLU) {
       // A sink that keeps the pre-activations for the backward gets them first.
       if constexpr (requires { sink.keep_gate_up(acc, c, wg, tid); })
         sink.keep_gate_up(acc, c, wg, tid);
@@ -419,7 +568,7 @@ __device__ __forceinline__ void init_stage_barriers(GemmSmem<kStages, kStaging>&
 }
 
 // Standalone persistent driver: every CTA walks tiles blockIdx.x, + gridDim.x, ...
-template <Epilogue kEpi, int kStages, WeightMajor kMajor>
+template <Epilogue kEpi, int kStages, WeightMajor kMajor, Operands kOp = Operands::kBF16>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_a_rows,
@@ -444,14 +593,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int32_t m_tiles = static_cast<int32_t>(total_rows / kTileRows);
   const int32_t n_tiles = (p.n_out + kOutCols<kEpi> - 1) / kOutCols<kEpi>;
   const int64_t tiles = int64_t{m_tiles} * n_tiles;
-  const int32_t k_blocks = p.k / kBlockK;
+  const int32_t k_blocks = p.k / kBlockKElems<kOp>;
   PipelineState<kStages> ps;
 
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0) {
       for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
-        produce_tile<kEpi, kStages, kStagingBytes<kEpi>, kMajor>(
+        produce_tile<kEpi, kStages, kStagingBytes<kEpi>, kMajor, kOp>(
             s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts),
             k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{}, 0, p.b0_k_blocks);
     }
@@ -460,8 +609,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     DirectStoreSink<kEpi> sink{&map_out};
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts);
-      consume_tile<kEpi, kStages, kStagingBytes<kEpi>, DirectStoreSink<kEpi>, kMajor>(
-          s, ps, c, k_blocks, wg - 1, sink);
+      consume_tile<kEpi, kStages, kStagingBytes<kEpi>, DirectStoreSink<kEpi>, kMajor,
+                   RowsMajor::kK, kOp>(s, ps, c, k_blocks, wg - 1, sink, p.fp8);
     }
     if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }

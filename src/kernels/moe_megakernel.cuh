@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/fp8_blocks.h"
 #include "common/hd.h"
 #include "common/routing_schedule.h"
 #include "kernels/layer_kernels.cuh"
@@ -89,6 +90,18 @@ struct MegakernelArgs {
   const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
   const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]
   const __nv_bfloat16* w_down = nullptr;  // [experts, H, I]
+  // The FP8 forward (launch_forward_megakernel with fp8): x rows in the window and the ring, and
+  // h rows in the ring, are packed rows (fp8::packed_row_bytes: e4m3 values, then their 1 x 128
+  // scales); the weights are e4m3 in the bf16 layouts with fp32 128 x 128 block scales
+  // [experts, rows / 128, cols / 128]; h's scales are powers of two with fp8_pow2_scales.
+  bool fp8 = false;
+  bool fp8_pow2_scales = false;
+  const uint8_t* w_gate_fp8 = nullptr;
+  const uint8_t* w_up_fp8 = nullptr;
+  const uint8_t* w_down_fp8 = nullptr;
+  const float* w_gate_scales = nullptr;
+  const float* w_up_scales = nullptr;
+  const float* w_down_scales = nullptr;
   int32_t comm_ctas = 0;  // communication partition; the other CTAs compute
   int32_t rank = 0;       // for diagnostics
   int64_t timeout_ns = 0;
@@ -108,6 +121,14 @@ struct MegakernelArgs {
   size_t x_pull_offset = 0;          // window offset of x, pulled into x_out
   __nv_bfloat16* x_out = nullptr;    // [ring rows, H]: x rows (padding rows zero)
 };
+
+// Bytes of one x row in the window and the ring (bf16, or an FP8 packed row), and of one h row.
+EPFLOW_HD int64_t x_row_bytes(const MegakernelArgs& a) {
+  return a.fp8 ? fp8::packed_row_bytes(a.hidden) : int64_t{a.hidden} * 2;
+}
+EPFLOW_HD int64_t h_row_bytes(const MegakernelArgs& a) {
+  return a.fp8 ? fp8::packed_row_bytes(a.intermediate) : int64_t{a.intermediate} * 2;
+}
 
 // N tiles of the backward's dhp GEMM (the columns of dw_partial).
 EPFLOW_HD int32_t backward_dh_tiles(int64_t intermediate) {

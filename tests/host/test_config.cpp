@@ -200,5 +200,35 @@ TEST(LayerCreate, LowPrecisionModesSayNotImplemented) {
   EXPECT_NE(s.message().find("mxfp8"), std::string::npos);
 }
 
+TEST(LayerCreate, Fp8IsForwardOnlyWithBlockMultiples) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.dtype = DType::kFP8Blockwise;
+  EXPECT_TRUE(validate(c).ok());
+  c.with_backward = true;
+  std::unique_ptr<Layer> layer;
+  const Status s = Layer::create(c, nullptr, &layer);
+  EXPECT_EQ(s.code(), StatusCode::kNotImplemented) << s.to_string();
+  EXPECT_NE(s.message().find("backward"), std::string::npos);
+  c.with_backward = false;
+  c.intermediate = 2048 + 64;
+  expect_invalid(validate(c), "multiples of 128");
+}
+
+TEST(ForwardArgsValidate, Fp8LayerNeedsFp8WeightsAndQuantizationABuffer) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.dtype = DType::kFP8Blockwise;
+  ForwardArgs a;
+  a.num_tokens = 0;
+  a.weights.gate = a.weights.up = a.weights.down = reinterpret_cast<const __nv_bfloat16*>(64);
+  expect_invalid(validate(c, a), "ExpertWeights::fp8");
+  // Each of the three: E_local x 2048 x 7168 bytes and E_local x 16 x 56 fp32 scales.
+  const int64_t E = c.experts_per_rank();
+  const int64_t matrix = E * 2048 * 7168, scales = E * 16 * 56 * 4;
+  EXPECT_EQ(fp8_expert_weights_bytes(c), 3 * matrix + 3 * ((scales + 255) / 256 * 256));
+  Fp8ExpertWeights out;
+  expect_invalid(quantize_expert_weights(c, a.weights, false, nullptr, 0, &out, nullptr),
+                 "fp8_expert_weights_bytes");
+}
+
 }  // namespace
 }  // namespace epflow

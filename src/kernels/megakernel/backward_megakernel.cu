@@ -28,6 +28,7 @@ struct BackwardPass {
   static constexpr int kDownKParts = 2;
   static constexpr bool kDownNFastestWhenSuited = true;
   static constexpr bool kForWeightGradients = true;
+  static constexpr gemm::Operands kOperands = gemm::Operands::kBF16;
 };
 
 }  // namespace

@@ -29,6 +29,30 @@ struct Maps {
   CUtensorMap rows1, rows1_few, w1a, w1b, h_out, rows2, rows2_few, w2a, w2b;
 };
 
+// The FP8 forward's block scales (grouped_gemm.cuh's Fp8Scales): the rows' after their values in
+// the ring's packed rows; the weights' as given.
+__device__ __forceinline__ gemm::Fp8Scales fp8_gate_up_scales(const MegakernelArgs& a) {
+  gemm::Fp8Scales s;
+  s.a = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(a.ring_x) + a.hidden);
+  s.a_row_floats = x_row_bytes(a) / 4;
+  s.b0 = a.w_gate_scales;
+  s.b1 = a.w_up_scales;
+  s.n_blocks = a.intermediate / fp8::kBlock;
+  s.k_blocks = a.hidden / fp8::kBlock;
+  s.power_of_two = a.fp8_pow2_scales;
+  return s;
+}
+__device__ __forceinline__ gemm::Fp8Scales fp8_down_scales(const MegakernelArgs& a) {
+  gemm::Fp8Scales s;
+  s.a = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(a.ring_h) +
+                                       a.intermediate);
+  s.a_row_floats = h_row_bytes(a) / 4;
+  s.b0 = s.b1 = a.w_down_scales;
+  s.n_blocks = a.hidden / fp8::kBlock;
+  s.k_blocks = a.intermediate / fp8::kBlock;
+  return s;
+}
+
 // Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
 // warpgroups); two threads of the producer warpgroup store the consumers' gate/up output tiles
 // and signal them, a third one schedules. NOTES: compute tasks are claimed in list order from one
@@ -51,8 +75,9 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
   const int wg = threadIdx.x / 128;
   const int64_t tasks = mega::num_compute_tasks(s);
   // K of the two GEMMs: H, then I (forward: h) or 2I (backward: [dg | du], W_gate's K first).
-  const int32_t k_gate_up = a.hidden / gemm::kBlockK;
-  const int32_t k_down = P::kDownKParts * a.intermediate / gemm::kBlockK;
+  constexpr gemm::Operands kOp = P::kOperands;
+  const int32_t k_gate_up = a.hidden / gemm::kBlockKElems<kOp>;
+  const int32_t k_down = P::kDownKParts * a.intermediate / gemm::kBlockKElems<kOp>;
   volatile gemm::StageTag* stage_tag = smem.stage_tag;
   const gemm::StageTags tags{smem.stage_tag, smem.tag_read};
   gemm::PipelineState<kStages> ps;
@@ -87,10 +112,10 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         const Task t = mega::compute_task(s, i);
         // A split K (the backward's [dg | du]) reads its first I columns' weights from w2a.
         if (t.kind == TaskKind::kGateUp)
-          gemm::produce_tile<P::kGateUpEpilogue, kStages, kStaging, P::kWeights>(
+          gemm::produce_tile<P::kGateUpEpilogue, kStages, kStaging, P::kWeights, kOp>(
               smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b, tags, i);
         else
-          gemm::produce_tile<Epilogue::kStore, kStages, kStaging, P::kWeights>(
+          gemm::produce_tile<Epilogue::kStore, kStages, kStaging, P::kWeights, kOp>(
               smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b, tags, i,
               P::kDownKParts > 1 ? a.intermediate / gemm::kBlockK : 0);
         record_progress(a, kProducerLoaded, i);
@@ -113,7 +138,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         const volatile gemm::TileCoord& tag = staged[w].tile;
         const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
         // Only RingSink stages tiles: the forward's h.
-        gemm::store_staging<Epilogue::kSwiGLU>(&m.h_out, smem.gemm.out[w], c, w);
+        gemm::store_staging<Epilogue::kSwiGLU, kOp>(&m.h_out, smem.gemm.out[w], c, w);
         ptx::tma_store_wait_read();
         ptx::mbarrier_arrive(&smem.staging_empty[w]);
         ptx::tma_store_wait_all();
@@ -129,6 +154,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     RingSink ring{&smem, &a};  // the forward's gate/up tiles, and the store threads' stop
     PushCombineSink push{&a};
     DhSink dh{&a};
+    const gemm::Fp8Scales gate_up_scales = fp8_gate_up_scales(a), down_scales = fp8_down_scales(a);
     for (;;) {
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
       const int64_t i = stage_tag[ps.stage].task;
@@ -149,13 +175,15 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         } else {
           ring.counter = counter;
           ring.task = i;
-          gemm::consume_tile<P::kGateUpEpilogue, kStages, kStaging, RingSink, P::kWeights>(
-              smem.gemm, ps, c, k_gate_up, wg - 1, ring);
+          gemm::consume_tile<P::kGateUpEpilogue, kStages, kStaging, RingSink, P::kWeights,
+                             gemm::RowsMajor::kK, kOp>(smem.gemm, ps, c, k_gate_up, wg - 1, ring,
+                                                       gate_up_scales);
         }
       } else {
         push.counter = counter;
-        gemm::consume_tile<Epilogue::kStore, kStages, kStaging, PushCombineSink, P::kWeights>(
-            smem.gemm, ps, c, k_down, wg - 1, push);
+        gemm::consume_tile<Epilogue::kStore, kStages, kStaging, PushCombineSink, P::kWeights,
+                           gemm::RowsMajor::kK, kOp>(smem.gemm, ps, c, k_down, wg - 1, push,
+                                                     down_scales);
       }
       if (tid == 0) record_progress(a, kConsumerDone + wg - 1, i);
     }

@@ -21,7 +21,7 @@
 namespace epflow::kernels::megakernel {
 
 // One dispatching warp's share of the CTA's row buffers (lane 0 issues its copies). A row's
-// bytes are H * 2 (multiple of 128: H is a multiple of 64).
+// bytes are x_row_bytes (multiples of 16: H * 2 with H a multiple of 64, or an FP8 packed row).
 struct RowPipe {
   uint8_t* buf;    // slots x row_bytes of shared memory
   uint64_t* full;  // per slot, one arrival + the row's bytes
@@ -32,10 +32,10 @@ struct RowPipe {
   int32_t warps;
 };
 
-// x rows (H bf16 each) that fit the GEMM's stage and staging memory.
+// x rows that fit the GEMM's stage and staging memory.
 __device__ __forceinline__ int32_t row_buffers(const MegakernelArgs& a) {
   return static_cast<int32_t>(offsetof(decltype(MegaSmem::gemm), full) /
-                              (static_cast<size_t>(a.hidden) * 2));
+                              static_cast<size_t>(x_row_bytes(a)));
 }
 
 // The dispatching warps of a CTA: kPullWarps when each gets two row buffers or more, else as
@@ -50,7 +50,7 @@ __device__ __forceinline__ RowPipe make_row_pipe(const MegakernelArgs& a, MegaSm
   RowPipe p;
   p.warp = warp;
   p.warps = pull_warps(a);
-  p.row_bytes = static_cast<uint32_t>(a.hidden) * 2;
+  p.row_bytes = static_cast<uint32_t>(x_row_bytes(a));
   const uint32_t per_warp = static_cast<uint32_t>(row_buffers(a) / p.warps);
   p.slots = per_warp < kMaxPullRows / kPullWarps ? per_warp : kMaxPullRows / kPullWarps;
   p.buf = reinterpret_cast<uint8_t*>(&smem.gemm) + size_t{p.slots} * warp * p.row_bytes;
@@ -84,7 +84,7 @@ __device__ __forceinline__ PullJob dispatch_job(const MegakernelArgs& a, const m
   PullJob job;
   job.src_offset = a.x_offset;
   job.dst = reinterpret_cast<uint8_t*>(a.ring_x) +
-            int64_t{mega::ring_slot_of_tile(s, t.m_tile)} * kTileRows * a.hidden * 2;
+            int64_t{mega::ring_slot_of_tile(s, t.m_tile)} * kTileRows * x_row_bytes(a);
   mega::dispatch_rows(s, t, rows, &job.begin, &job.end);
   job.zero_from = P::kForWeightGradients && job.begin == 0 ? rows : kTileRows;
   job.signal = true;

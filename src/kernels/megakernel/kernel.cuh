@@ -7,7 +7,9 @@
 //   kWeights                both GEMMs' weight layout (gemm::WeightMajor);
 //   kDownKParts             the second GEMM's K in units of I (1: h; 2: [dg | du]);
 //   kDownNFastestWhenSuited whether the compute list may order down-kind tiles n tile fastest;
-//   kForWeightGradients     whether dispatch writes padding rows as zeros and also pulls x.
+//   kForWeightGradients     whether dispatch writes padding rows as zeros and also pulls x;
+//   kOperands               both GEMMs' operands (gemm::Operands: bf16, or FP8 with block
+//                           scales; then x and h rows are packed rows, MegakernelArgs::fp8).
 #pragma once
 
 #include <cuda.h>
@@ -80,10 +82,25 @@ inline bool valid_args(const MegakernelArgs& a, int32_t sm_count) {
          a.comm_ctas < sm_count;
 }
 
+// FP8 packed rows [rows, cols values + scales] as a GEMM's row operand: the values, in whole
+// 128-row boxes and 16-row boxes (grouped_gemm.cuh's row maps), one K block of 128 wide.
+inline bool encode_fp8_row_maps(const void* rows, int64_t cols, int64_t n_rows, CUtensorMap* map,
+                                CUtensorMap* map_few_rows) {
+  const uint64_t dims[2] = {uint64_t(cols), uint64_t(n_rows)};
+  const uint64_t stride[1] = {uint64_t(fp8::packed_row_bytes(cols))};
+  const uint32_t box[2] = {fp8::kBlock, kTileRows};
+  const uint32_t few_box[2] = {fp8::kBlock, gemm::kRowBoxM};
+  return encode_u8_tensor_map(map, rows, 2, dims, box, stride).ok() &&
+         encode_u8_tensor_map(map_few_rows, rows, 2, dims, few_box, stride).ok();
+}
+
 // The ring's rows in both GEMMs: ring_x (K = H) and ring_h (K = kDownKParts * I).
 template <class P>
 bool encode_ring_maps(const MegakernelArgs& a, Maps* m) {
   const int64_t ring_rows = int64_t{a.ring_tiles} * kTileRows;
+  if constexpr (P::kOperands == gemm::Operands::kFP8)
+    return encode_fp8_row_maps(a.ring_x, a.hidden, ring_rows, &m->rows1, &m->rows1_few) &&
+           encode_fp8_row_maps(a.ring_h, a.intermediate, ring_rows, &m->rows2, &m->rows2_few);
   return gemm::encode_row_operand_maps(a.ring_x, a.hidden, ring_rows, &m->rows1, &m->rows1_few) &&
          gemm::encode_row_operand_maps(a.ring_h, P::kDownKParts * int64_t{a.intermediate},
                                        ring_rows, &m->rows2, &m->rows2_few);

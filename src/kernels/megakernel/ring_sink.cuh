@@ -42,6 +42,13 @@ struct RingSink {
       ptx::mbarrier_arrive(&s->staging_full[wg]);
     }
   }
+  // FP8: the scale of h row `row` (of the warpgroup's 64) of the tile's 128-column block, after
+  // its packed row's values; the store thread's signal publishes it with the values.
+  __device__ __forceinline__ void put_scale(const gemm::TileCoord& c, int wg, int row, float v) {
+    uint8_t* packed = reinterpret_cast<uint8_t*>(a->ring_h) +
+                      (int64_t{c.a_row} + wg * 64 + row) * h_row_bytes(*a) + a->intermediate;
+    reinterpret_cast<float*>(packed)[c.n_tile] = v;
+  }
   __device__ __forceinline__ void skip(int, int tid) {
     if (tid == 0) ptx::signal_counter(counter);
   }
