@@ -878,6 +878,9 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     v.clear();
     for (const auto& rep : reps) v.push_back(rep[r].unfused_backward_us);
     out[r].unfused_backward_us = median(v);
+    v.clear();
+    for (const auto& rep : reps) v.push_back(rep[r].quantize_weights_us);
+    out[r].quantize_weights_us = median(v);
     for (auto list : {&RankResult::backward_side_us, &RankResult::backward_comm_us})
       for (size_t i = 0; i < (out[r].*list).size(); ++i) {
         v.clear();
@@ -1275,6 +1278,7 @@ int run_gpu(const Options& o, int devices) {
         to->backward_comm_us = from.backward_comm_us;
         to->memory = from.memory;
         to->saved_context_bytes = from.saved_context_bytes;
+        to->quantize_weights_us = from.quantize_weights_us;
         to->backward_stage_names = from.backward_stage_names;
         to->unfused_backward_us = from.unfused_backward_us;
         to->unfused_stage_names = from.unfused_stage_names;

@@ -321,12 +321,30 @@ struct DirectStoreSink {
   __device__ void skip(int, int) {}
 };
 
+// The FP8 consumers take turns on the tensor cores: warpgroup w issues a group of wgmmas only
+// after the other issued its previous one (hardware barriers kTurnBarrier + w, 256 threads: the
+// waiting warpgroup syncs, the other arrives). NOTES: each warpgroup must wait for its group
+// before promoting it (its partial sums are reused), and warpgroups that issue together finish
+// together and promote together, leaving the tensor cores idle meanwhile; in turns, one
+// promotes while the other's group runs. fp8_turns_begin: warpgroup 1, once before its first
+// tile, gives warpgroup 0 the first turn (the last arrival of warpgroup 1 stays unmatched when
+// the CTA ends, which leaves nothing waiting).
+inline constexpr uint32_t kTurnBarrier = 4;  // 1, 2: the consumers' own; 3: dispatch
+__device__ __forceinline__ void fp8_turns_begin(int wg) {
+  if (wg == 1) ptx::named_barrier_arrive(kTurnBarrier + 0, 256);
+}
+__device__ __forceinline__ void fp8_turn_wait(int wg) {
+  ptx::named_barrier_sync(kTurnBarrier + wg, 256);
+}
+__device__ __forceinline__ void fp8_turn_pass(int wg) {
+  ptx::named_barrier_arrive(kTurnBarrier + (wg ^ 1), 256);
+}
+
 // The FP8 mainloop of one consumer warpgroup (Operands::kFP8): per K block, each 128-column
-// half of the tile as four m64n128k32 e4m3 wgmmas into `part`, then promoted into acc (the
-// half's registers of an m64n256 accumulator) scaled by the row's and the half's block scale.
-// NOTES: wait_group 0 per half: part is reused by the next half. The two consumer warpgroups
-// interleave on the tensor cores, so one's promotion overlaps the other's wgmmas. A block's
-// scales are loaded one block ahead, while the wgmmas of the current one run.
+// half of the tile as four m64n128k32 e4m3 wgmmas into `part` (in turns with the other
+// warpgroup), then promoted into acc (the half's registers of an m64n256 accumulator) scaled by
+// the row's and the half's block scale. A block's scales are loaded one block ahead, while the
+// wgmmas of the current one run.
 template <Epilogue kEpi, int kStages, int kStaging>
 __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
@@ -365,6 +383,7 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
     const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      fp8_turn_wait(wg);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -372,6 +391,7 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                    ptx::smem_desc_advance(b_desc, half * kHalfBytes + kk * 32),
                                    kk > 0);
       ptx::wgmma_commit_group();
+      fp8_turn_pass(wg);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(part);
       if (half == 1 && tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
@@ -414,6 +434,11 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
       ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
       ptx::named_barrier_sync(1 + wg, 128);
       if (tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
+      if constexpr (kOp == Operands::kFP8)
+        for (int half = 0; half < 2; ++half) {  // the other warpgroup's turns go on
+          fp8_turn_wait(wg);
+          fp8_turn_pass(wg);
+        }
     }
     sink.skip(wg, tid);
     return;
@@ -606,6 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
+    if constexpr (kOp == Operands::kFP8) fp8_turns_begin(wg - 1);
     DirectStoreSink<kEpi> sink{&map_out};
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts);

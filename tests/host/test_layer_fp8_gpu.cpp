@@ -92,6 +92,7 @@ void power_of_two_scales_in_a_graph(int world) {
   LayerConfig c = small_fp8(world, 600);
   c.fp8_power_of_two_scales = true;
   c.ring_rows = 256;
+  c.minibatch_rows = 128;
   testing::RunOptions graph;
   graph.cuda_graph = true;
   run_and_check(c, mixed_calls(c, world, 30), 1 << 30, graph);

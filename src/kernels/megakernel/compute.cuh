@@ -155,6 +155,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     PushCombineSink push{&a};
     DhSink dh{&a};
     const gemm::Fp8Scales gate_up_scales = fp8_gate_up_scales(a), down_scales = fp8_down_scales(a);
+    if constexpr (kOp == gemm::Operands::kFP8) gemm::fp8_turns_begin(wg - 1);
     for (;;) {
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
       const int64_t i = stage_tag[ps.stage].task;
