@@ -7,10 +7,17 @@
 //     .memory() -> [symmetric, ring, schedule, backward] bytes it holds.
 //   torch.classes.epflow.Handle(workspace, hidden, intermediate, num_experts, top_k,
 //                               max_tokens_per_rank, timeout_seconds, comm_sms, minibatch_rows,
-//                               ring_rows, saved_gate_up_rows, with_backward)
+//                               ring_rows, saved_gate_up_rows, with_backward, dtype,
+//                               fp8_power_of_two_scales)
 //       one epflow::Layer of this shape on the workspace (with_backward:
-//       LayerConfig::with_backward, what training needs). Layers of one shape share a handle
-//       (python/epflow); every call of every handle on a workspace runs in stream order.
+//       LayerConfig::with_backward, what training needs; dtype "bf16" or "fp8":
+//       LayerConfig::dtype, FP8 forward only). Layers of one shape share a handle (python/epflow);
+//       every call of every handle on a workspace runs in stream order.
+//     .quantize_weights(w_gate, w_up, w_down) -> [gate, up, down, gate_scales, up_scales,
+//                                                 down_scales]
+//       epflow::quantize_expert_weights of bf16 weights on the current stream (FP8 handles):
+//       e4m3 as uint8 in the weights' shapes, fp32 scales [E, I/128, H/128] (gate, up) and
+//       [E, H/128, I/128] (down), views of one new buffer.
 //     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer) -> Context
 //       Layer::forward into the caller's y [T, H] bf16, keeping what its backward reads in
 //       `buffer` (uint8, Handle.saved_context_bytes() bytes, the caller's: autograd saves it
@@ -40,6 +47,9 @@
 //   epflow::moe_forward.out(..., *, Tensor(a!) out) -> Tensor(a!)
 //       the same into the caller's `out` [T, H] bf16 (contiguous, 16-byte aligned, overlapping no
 //       input); returns it.
+//   epflow::moe_forward_fp8(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights,
+//                           Tensor[] fp8_weights) -> Tensor y
+//       an FP8 handle's Layer::forward (inference), the weights as quantize_weights returns them.
 //
 // Every output is written whole by the call (every element of y, dx and d_topk_weights; every
 // expert's weight gradient, zero for an expert no row reached): the forms that take outputs let a
@@ -60,6 +70,7 @@
 #include <iterator>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -77,12 +88,21 @@ void check_status(const epflow::Status& s, const char* what) {
 
 class Handle;
 
+epflow::DType parse_dtype(const std::string& dtype) {
+  TORCH_CHECK(dtype == "bf16" || dtype == "fp8", "EPFlow: dtype must be \"bf16\" or \"fp8\", got \"",
+              dtype, "\"");
+  return dtype == "fp8" ? epflow::DType::kFP8Blockwise : epflow::DType::kBF16;
+}
+
 epflow::LayerConfig layer_config(int64_t world, int64_t rank, int64_t hidden, int64_t intermediate,
                                  int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank,
                                  double timeout_seconds, int64_t comm_sms, int64_t minibatch_rows,
                                  int64_t ring_rows, int64_t saved_gate_up_rows,
-                                 bool with_backward) {
+                                 bool with_backward, const std::string& dtype,
+                                 bool fp8_power_of_two_scales) {
   epflow::LayerConfig c;
+  c.dtype = parse_dtype(dtype);
+  c.fp8_power_of_two_scales = fp8_power_of_two_scales;
   c.hidden = hidden;
   c.intermediate = intermediate;
   c.num_experts = static_cast<int32_t>(num_experts);
@@ -104,12 +124,16 @@ epflow::LayerConfig layer_config(int64_t world, int64_t rank, int64_t hidden, in
 void check_config(int64_t world, int64_t hidden, int64_t intermediate, int64_t num_experts,
                   int64_t top_k, int64_t max_tokens_per_rank, double timeout_seconds,
                   int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows,
-                  int64_t saved_gate_up_rows, bool with_backward) {
-  check_status(epflow::validate(layer_config(world, 0, hidden, intermediate, num_experts, top_k,
-                                             max_tokens_per_rank, timeout_seconds, comm_sms,
-                                             minibatch_rows, ring_rows, saved_gate_up_rows,
-                                             with_backward)),
-               "config");
+                  int64_t saved_gate_up_rows, bool with_backward, std::string dtype,
+                  bool fp8_power_of_two_scales) {
+  const epflow::LayerConfig c =
+      layer_config(world, 0, hidden, intermediate, num_experts, top_k, max_tokens_per_rank,
+                   timeout_seconds, comm_sms, minibatch_rows, ring_rows, saved_gate_up_rows,
+                   with_backward, dtype, fp8_power_of_two_scales);
+  check_status(epflow::validate(c), "config");
+  if (c.dtype == epflow::DType::kFP8Blockwise && c.with_backward)
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "EPFlow: the fp8 layer's backward is not implemented yet: "
+                                "create it for inference (backward=False), or train in bf16");
 }
 
 std::vector<int64_t> memory_list(const epflow::MemoryReport& m) {
@@ -182,11 +206,12 @@ class Handle : public torch::CustomClassHolder {
   Handle(const c10::intrusive_ptr<Workspace>& workspace, int64_t hidden, int64_t intermediate,
          int64_t num_experts, int64_t top_k, int64_t max_tokens_per_rank, double timeout_seconds,
          int64_t comm_sms, int64_t minibatch_rows, int64_t ring_rows, int64_t saved_gate_up_rows,
-         bool with_backward)
+         bool with_backward, std::string dtype, bool fp8_power_of_two_scales)
       : workspace_(workspace) {
     config_ = layer_config(workspace->world(), workspace->rank(), hidden, intermediate,
                            num_experts, top_k, max_tokens_per_rank, timeout_seconds, comm_sms,
-                           minibatch_rows, ring_rows, saved_gate_up_rows, with_backward);
+                           minibatch_rows, ring_rows, saved_gate_up_rows, with_backward, dtype,
+                           fp8_power_of_two_scales);
     check_status(epflow::validate(config_), "config");
     device_ = workspace->device();
     c10::cuda::CUDAGuard guard(device_);
@@ -218,6 +243,8 @@ class Handle : public torch::CustomClassHolder {
   // Device memory the layer holds, bytes: [symmetric, ring, schedule, backward].
   std::vector<int64_t> memory() const { return memory_list(layer_->memory()); }
   int64_t saved_context_bytes() const { return layer_->saved_context_bytes(); }
+  std::vector<at::Tensor> quantize_weights(const at::Tensor& w_gate, const at::Tensor& w_up,
+                                           const at::Tensor& w_down);
   c10::intrusive_ptr<Context> forward_train(const at::Tensor& x, const at::Tensor& topk_idx,
                                             const at::Tensor& topk_weights,
                                             const at::Tensor& w_gate, const at::Tensor& w_up,
@@ -369,6 +396,89 @@ at::Tensor moe_forward(int64_t handle, const at::Tensor& x, const at::Tensor& to
   return moe_forward_out(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down, y);
 }
 
+// The FP8 weights' tensors of a layer (quantize_weights' order and shapes).
+struct Fp8WeightShape {
+  const char* name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+std::vector<Fp8WeightShape> fp8_weight_shapes(const epflow::LayerConfig& c) {
+  const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
+  return {{"gate", at::kByte, {E, I, H}},          {"up", at::kByte, {E, I, H}},
+          {"down", at::kByte, {E, H, I}},          {"gate_scales", at::kFloat, {E, I / 128, H / 128}},
+          {"up_scales", at::kFloat, {E, I / 128, H / 128}},
+          {"down_scales", at::kFloat, {E, H / 128, I / 128}}};
+}
+
+std::vector<at::Tensor> Handle::quantize_weights(const at::Tensor& w_gate, const at::Tensor& w_up,
+                                                 const at::Tensor& w_down) {
+  TORCH_CHECK(config_.dtype == epflow::DType::kFP8Blockwise,
+              "EPFlow quantize_weights: the handle is not an fp8 layer");
+  const at::Device device(at::kCUDA, device_);
+  const int64_t E = config_.experts_per_rank(), H = config_.hidden, I = config_.intermediate;
+  check_tensor(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device);
+  check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
+  check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
+  c10::cuda::CUDAGuard guard(device_);
+  const int64_t bytes = epflow::fp8_expert_weights_bytes(config_);
+  at::Tensor buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  epflow::ExpertWeights bf16;
+  bf16.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
+  bf16.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
+  bf16.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
+  epflow::Fp8ExpertWeights q;
+  check_status(epflow::quantize_expert_weights(config_, bf16, config_.fp8_power_of_two_scales,
+                                               buffer.data_ptr(), bytes, &q,
+                                               current_stream(device)),
+               "quantize_expert_weights");
+  const void* parts[6] = {q.gate, q.up, q.down, q.gate_scales, q.up_scales, q.down_scales};
+  const auto shapes = fp8_weight_shapes(config_);
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const int64_t offset =
+        static_cast<const uint8_t*>(parts[i]) - static_cast<const uint8_t*>(buffer.data_ptr());
+    int64_t n = at::elementSize(shapes[i].dtype);
+    for (int64_t d : shapes[i].shape) n *= d;
+    out.push_back(buffer.narrow(0, offset, n).view(shapes[i].dtype).view(shapes[i].shape));
+  }
+  return out;
+}
+
+at::Tensor moe_forward_fp8(int64_t handle, const at::Tensor& x, const at::Tensor& topk_idx,
+                           const at::Tensor& topk_weights, at::TensorList fp8_weights) {
+  Handle& h = lookup(handle);
+  const epflow::LayerConfig& c = h.config();
+  TORCH_CHECK(c.dtype == epflow::DType::kFP8Blockwise,
+              "epflow.moe_forward_fp8: the handle is not an fp8 layer (use moe_forward)");
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(h.device()));
+  TORCH_CHECK(x.dim() == 2, "epflow.moe_forward_fp8: x must be [T, H=", c.hidden, "], got ",
+              x.sizes());
+  const int64_t T = x.size(0);
+  TORCH_CHECK(T <= c.max_tokens_per_rank, "epflow.moe_forward_fp8: T=", T,
+              " exceeds the handle's max_tokens_per_rank=", c.max_tokens_per_rank);
+  check_tensor(x, "x", at::kBFloat16, {T, c.hidden}, device);
+  check_tensor(topk_idx, "topk_idx", at::kInt, {T, c.top_k}, device);
+  check_tensor(topk_weights, "topk_weights", at::kFloat, {T, c.top_k}, device);
+  const auto shapes = fp8_weight_shapes(c);
+  TORCH_CHECK(fp8_weights.size() == shapes.size(), "epflow.moe_forward_fp8: fp8_weights must be "
+              "the 6 tensors Handle.quantize_weights returns, got ", fp8_weights.size());
+  for (size_t i = 0; i < shapes.size(); ++i)
+    check_tensor(fp8_weights[i], shapes[i].name, shapes[i].dtype, shapes[i].shape, device);
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  epflow::ForwardArgs a;
+  a.num_tokens = T;
+  a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  a.topk_idx = topk_idx.data_ptr<int32_t>();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.weights.fp8 = {fp8_weights[0].data_ptr<uint8_t>(), fp8_weights[1].data_ptr<uint8_t>(),
+                   fp8_weights[2].data_ptr<uint8_t>(), fp8_weights[3].data_ptr<float>(),
+                   fp8_weights[4].data_ptr<float>(), fp8_weights[5].data_ptr<float>()};
+  a.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  c10::cuda::CUDAGuard guard(device);
+  check_status(h.layer().forward(a, current_stream(device), nullptr), "forward");
+  return y;
+}
+
 // A context's buffer: uint8, on the handle's device, contiguous, at least the layer's bytes.
 void check_context_buffer(const at::Tensor& buffer, int64_t bytes, const at::Device& device) {
   TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.device() == device &&
@@ -481,8 +591,9 @@ TORCH_LIBRARY(epflow, m) {
       .def("memory", &Workspace::memory);
   m.class_<Handle>("Handle")
       .def(torch::init<c10::intrusive_ptr<Workspace>, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       double, int64_t, int64_t, int64_t, int64_t, bool>())
+                       double, int64_t, int64_t, int64_t, int64_t, bool, std::string, bool>())
       .def("id", &Handle::id)
+      .def("quantize_weights", &Handle::quantize_weights)
       .def("forward_train", &Handle::forward_train)
       .def("backward", &Handle::backward)
       .def("backward_out", &Handle::backward_out)
@@ -494,7 +605,8 @@ TORCH_LIBRARY(epflow, m) {
   m.def(
       "check_config(int world, int hidden, int intermediate, int num_experts, int top_k, "
       "int max_tokens_per_rank, float timeout_seconds, int comm_sms, int minibatch_rows, "
-      "int ring_rows, int saved_gate_up_rows, bool with_backward) -> ()",
+      "int ring_rows, int saved_gate_up_rows, bool with_backward, str dtype, "
+      "bool fp8_power_of_two_scales) -> ()",
       &check_config);
   m.def(
       "moe_forward(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w_gate, "
@@ -502,9 +614,13 @@ TORCH_LIBRARY(epflow, m) {
   m.def(
       "moe_forward.out(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, "
       "Tensor w_gate, Tensor w_up, Tensor w_down, *, Tensor(a!) out) -> Tensor(a!)");
+  m.def(
+      "moe_forward_fp8(int handle, Tensor x, Tensor topk_idx, Tensor topk_weights, "
+      "Tensor[] fp8_weights) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(epflow, CUDA, m) {
   m.impl("moe_forward", &moe_forward);
   m.impl("moe_forward.out", &moe_forward_out);
+  m.impl("moe_forward_fp8", &moe_forward_fp8);
 }

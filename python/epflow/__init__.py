@@ -18,6 +18,11 @@ own (NotImplementedError: train through MoELayer). `torch.ops.epflow.moe_forward
 out=y)` writes into a caller's y instead (contiguous, 16-byte aligned, overlapping no input;
 eager and CUDA graphs, no fake implementation for torch.compile). There is no fallback to another
 implementation.
+
+MoELayer(..., dtype="fp8", backward=False) runs the FP8 forward (e4m3 with DeepSeek-V3's 1x128 /
+128x128 block scales, for inference): it keeps its parameters in bf16 and quantizes them on the
+GPU (Handle.quantize_weights) at its first call and whenever a parameter changed since, then
+calls `torch.ops.epflow.moe_forward_fp8(handle_id, x, topk_idx, topk_weights, fp8_weights)`.
 """
 import atexit
 import glob
@@ -51,6 +56,12 @@ from . import _C  # noqa: E402  (the ops above must be loaded first)
 
 
 # --- the op's fake implementation (torch.compile / FakeTensor / meta) and autograd --------------
+@torch.library.register_fake("epflow::moe_forward_fp8")
+def _moe_forward_fp8_fake(handle, x, topk_idx, topk_weights, fp8_weights):
+    torch._check(x.dim() == 2, lambda: f"epflow.moe_forward_fp8: x must be [T, H], got {x.shape}")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("epflow::moe_forward")
 def _moe_forward_fake(handle, x, topk_idx, topk_weights, w_gate, w_up, w_down):
     torch._check(x.dim() == 2, lambda: f"epflow.moe_forward: x must be [T, H], got {x.shape}")
@@ -118,7 +129,8 @@ def _workspace(group, ranks, world, rank, device):
 
 def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *, group=None,
                   device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0, ring_rows=0,
-                  saved_gate_up_rows=0, with_backward=False):
+                  saved_gate_up_rows=0, with_backward=False, dtype="bf16",
+                  fp8_power_of_two_scales=False):
     """Returns (key, handle) for this shape on this process group, creating it once: the layers
     of one shape share it. Every handle of a process group on a device lives on one workspace
     (one NCCL communicator, one symmetric window, one ring and one set of backward buffers,
@@ -142,7 +154,8 @@ def create_handle(hidden, intermediate, num_experts, top_k, max_tokens_per_rank,
     group, ranks, world, rank = _group_info(group)
     shape = (int(hidden), int(intermediate), int(num_experts), int(top_k),
              int(max_tokens_per_rank), float(timeout_seconds), int(comm_sms),
-             int(minibatch_rows), int(ring_rows), int(saved_gate_up_rows), bool(with_backward))
+             int(minibatch_rows), int(ring_rows), int(saved_gate_up_rows), bool(with_backward),
+             str(dtype), bool(fp8_power_of_two_scales))
     key = (ranks, device.index) + shape
     if key in _HANDLES:
         return key, _HANDLES[key]
@@ -267,6 +280,11 @@ class MoELayer(nn.Module):
     rest on the GPU, so any routing works and one past the bound costs a GEMM. backward=False:
     inference only.
 
+    dtype="fp8" (with backward=False): the FP8 forward, for inference; the bf16 parameters are
+    quantized on the GPU (e4m3, 128x128 block scales; activations 1x128) at the first call and
+    after any change to them (their version counters), so a model can update them and run on.
+    fp8_power_of_two_scales: the activations' scales are powers of two.
+
     grad_accumulation_fusion=True: the backward adds the expert weights' gradients in place, into
     each parameter's `main_grad` (Megatron-Core's fp32 buffer) where it has one, else into its
     `.grad` (written by the first backward), and gives autograd none for them: no separate pass
@@ -276,13 +294,23 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden, intermediate, num_experts, top_k, max_tokens_per_rank, *,
                  group=None, device=None, timeout_seconds=5.0, comm_sms=0, minibatch_rows=0,
-                 ring_rows=0, saved_gate_up_rows=0, backward=True, grad_accumulation_fusion=False):
+                 ring_rows=0, saved_gate_up_rows=0, backward=True, grad_accumulation_fusion=False,
+                 dtype="bf16", fp8_power_of_two_scales=False):
         super().__init__()
+        if dtype not in ("bf16", "fp8"):
+            raise ValueError(f"epflow: dtype must be 'bf16' or 'fp8', got {dtype!r}")
+        if dtype == "fp8" and backward:
+            raise NotImplementedError("epflow: the fp8 MoELayer's backward is not implemented "
+                                      "yet: create it with backward=False (inference), or train "
+                                      "in bf16")
         self._key, handle = create_handle(
             hidden, intermediate, num_experts, top_k, max_tokens_per_rank, group=group,
             device=device, timeout_seconds=timeout_seconds, comm_sms=comm_sms,
             minibatch_rows=minibatch_rows, ring_rows=ring_rows,
-            saved_gate_up_rows=saved_gate_up_rows, with_backward=backward)
+            saved_gate_up_rows=saved_gate_up_rows, with_backward=backward, dtype=dtype,
+            fp8_power_of_two_scales=fp8_power_of_two_scales)
+        self.dtype = dtype
+        self._fp8 = None  # (parameter versions, the 6 quantized tensors)
         self._handle_id = int(handle.id())
         self._backward = bool(backward)
         self._fuse_grads = bool(grad_accumulation_fusion)
@@ -309,7 +337,7 @@ class MoELayer(nn.Module):
 
     def extra_repr(self):
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, "
-                f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, dtype={self.dtype}, "
                 f"ep_rank={self.ep_rank}/{self.ep_size}, experts_per_rank={self.experts_per_rank}")
 
     def forward(self, x, topk_idx, topk_weights):
@@ -318,6 +346,9 @@ class MoELayer(nn.Module):
         idx = topk_idx.reshape(-1, self.top_k).to(torch.int32).contiguous()
         w = topk_weights.reshape(-1, self.top_k).to(torch.float32).contiguous()
         params = (self.w_gate, self.w_up, self.w_down)
+        if self.dtype == "fp8":
+            y = torch.ops.epflow.moe_forward_fp8(self._handle_id, x2, idx, w, self._fp8_weights())
+            return y.reshape(*lead, self.hidden)
         if self._backward and torch.is_grad_enabled() and any(
                 t.requires_grad for t in (x2, w) + params):
             handle = _HANDLES.get(self._key)
@@ -329,3 +360,15 @@ class MoELayer(nn.Module):
             y = torch.ops.epflow.moe_forward(self._handle_id, x2, idx, w, *params)
         return y.reshape(*lead, self.hidden)
 
+    @torch.no_grad()
+    def _fp8_weights(self):
+        """The parameters quantized (Handle.quantize_weights), again after any change to them."""
+        params = (self.w_gate, self.w_up, self.w_down)
+        versions = tuple((p.data_ptr(), p._version) for p in params)
+        if self._fp8 is None or self._fp8[0] != versions:
+            handle = _HANDLES.get(self._key)
+            if handle is None:
+                raise RuntimeError("epflow: this MoELayer's handle was released "
+                                   "(epflow.release_handles())")
+            self._fp8 = (versions, handle.quantize_weights(*(p.detach() for p in params)))
+        return self._fp8[1]

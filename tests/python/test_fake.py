@@ -69,4 +69,4 @@ def test_cpu_tensors_are_rejected():
 def test_bad_config_is_rejected_before_any_collective():
     # create_handle checks the shape with this before it creates a workspace or a handle.
     with pytest.raises(RuntimeError, match="hidden"):
-        torch.ops.epflow.check_config(1, 100, 128, 8, 2, 64, 5.0, 0, 0, 0, 0, False)
+        torch.ops.epflow.check_config(1, 100, 128, 8, 2, 64, 5.0, 0, 0, 0, 0, False, "bf16", False)

@@ -524,3 +524,50 @@ def test_forward_matches_reference_ep2():
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
     assert r.stdout.count("EP2 OK") == 2, r.stdout
+
+
+# --- the FP8 inference layer -----------------------------------------------------------------
+# e4m3 keeps 3 mantissa bits: against the exact (fp32) reference the FP8 layer lands a few
+# percent off (the C++ tests bound it with the quantization-matched reference too).
+FP8_TOL = 8e-2
+
+
+@pytest.fixture(scope="module")
+def fp8_layer():
+    torch.manual_seed(3)
+    m = epflow.MoELayer(H, 256, E, K, T_MAX, dtype="fp8", backward=False)
+    yield m
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("T", [1, 77, T_MAX])
+def test_fp8_forward_matches_reference(fp8_layer, T):
+    x, idx, w = _inputs(T)
+    y = fp8_layer(x, idx, w)
+    torch.cuda.synchronize()
+    assert y.shape == (T, H) and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    err = rel_err(y, reference_moe(x, idx, w, fp8_layer.w_gate, fp8_layer.w_up,
+                                   fp8_layer.w_down))
+    assert 0 < err <= FP8_TOL, f"rel err {err:.3e} vs the exact reference at T={T}"
+
+
+def test_fp8_weights_requantized_after_an_update(fp8_layer):
+    x, idx, w = _inputs(100, seed=5)
+    before = fp8_layer(x, idx, w)
+    with torch.no_grad():
+        fp8_layer.w_down.mul_(-2.0)  # an optimizer step, in place
+    after = fp8_layer(x, idx, w)
+    torch.cuda.synchronize()
+    err = rel_err(after, reference_moe(x, idx, w, fp8_layer.w_gate, fp8_layer.w_up,
+                                       fp8_layer.w_down))
+    assert err <= FP8_TOL, f"rel err {err:.3e} after the update"
+    assert rel_err(after, -2.0 * before.float()) <= FP8_TOL
+    with torch.no_grad():
+        fp8_layer.w_down.div_(-2.0)
+
+
+def test_fp8_layer_is_inference_only():
+    with pytest.raises(NotImplementedError, match="backward"):
+        epflow.MoELayer(H, 256, E, K, T_MAX, dtype="fp8")
+    with pytest.raises(ValueError, match="dtype"):
+        epflow.MoELayer(H, 256, E, K, T_MAX, dtype="fp16", backward=False)
