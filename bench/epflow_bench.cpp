@@ -1302,7 +1302,8 @@ int run_gpu(const Options& o, int devices) {
                           std::to_string(rank) + ".csv"
                     : "";
             const int64_t interleave_rows = v == 0 && interleaved ? yardstick_rows(rank) : 0;
-            const bool checked_backward = v == 0 && check_backward;
+            // The backward is checked on EPFlow's first bf16 system (the FP8 layer has none).
+            const bool checked_backward = v == (o.fp8 ? 1 : 0) && check_backward;
             EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(
                 rc, variants[v], routing, T, o, comm, checked, &r, &y_variant[v][rank], trace,
                 interleave_rows, v == 0 && o.backward && !o.check,
