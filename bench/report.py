@@ -5,7 +5,10 @@ own. Layer results with any system besides EPFlow (epflow-bench's baselines, ben
 torch_moe.py, bench/run_all.py's merged file) get a side-by-side comparison, then EPFlow's
 per-stage table. Every table names each row's routing distribution (epflow-bench --routing);
 files from before it have none and are uniform. --summary prints only the short table of the
-README (EPFlow against the baselines, each pass in the mode the other system runs it).
+README (EPFlow against the baselines, each pass in the mode the other system runs it). Runs of
+EPFlow's FP8 layer (epflow-bench --dtype fp8: system epflow-fp8) get a table of their own against
+the bf16 systems and the FP8 baselines (nccl-pytorch-fp8); bench/fp8_yardsticks.py files ("kind":
+"fp8-yardsticks") theirs. --summary prints the FP8 rows of the README after its bf16 table.
 Usage: bench/report.py [--summary] RESULT.json [RESULT.json ...]"""
 import json
 import sys
@@ -36,8 +39,71 @@ def is_baseline(system):
 TRAINING_FORWARD = {"nccl-pytorch"}
 
 
+FP8 = "epflow-fp8"  # epflow-bench --dtype fp8: EPFlow's FP8 forward
+
+
+def is_fp8(system):
+    """Systems that run the layer in FP8 (compared with each other, not with bf16 ones)."""
+    return system.endswith("-fp8")
+
+
 def inference_baseline(system, direction):
-    return is_baseline(system) and direction == "fwd" and system not in TRAINING_FORWARD
+    return (is_baseline(system) and direction == "fwd" and system not in TRAINING_FORWARD
+            and not is_fp8(system))
+
+
+def render_fp8(runs):
+    """EPFlow's FP8 forward per point against EPFlow's bf16 forward, the bf16 baselines and the
+    FP8 baselines, with the FP8 weights' stream time (the HBM copy rate of the same run) and the
+    time quantize_expert_weights takes."""
+    rows = {}
+    for r in runs:
+        if r["direction"] == "fwd":
+            rows.setdefault(point(r), {})[r["system"]] = r
+    others = sorted({s for row in rows.values() for s in row if s != FP8},
+                    key=lambda s: (is_fp8(s), s != "epflow", s))
+    print("| preset | tokens/rank | EP | routing | epflow-fp8 µs (TFLOP/s/GPU) | "
+          + " | ".join(f"{s} µs (epflow-fp8 speedup)" for s in others)
+          + " | layer / FP8 weight stream | quantize_expert_weights µs | device | commit |")
+    print("|---|---|---|---|---|" + "---|" * len(others) + "---|---|---|---|")
+    for key in sorted(rows, key=lambda k: (k[0], k[3], -k[2], k[1])):
+        row = rows[key]
+        mine = row.get(FP8)
+        if mine is None:
+            continue
+        cells = []
+        for s in others:
+            r = row.get(s)
+            cells.append("n/a" if r is None else
+                         f"{r['layer_us']:.0f} ({r['layer_us'] / mine['layer_us']:.2f}x)")
+        stream = mine.get("layer_vs_fp8_weight_stream")
+        device = " / ".join(dict.fromkeys(r["device"] for r in row.values()))
+        commit = " / ".join(dict.fromkeys(r["commit"] for r in row.values()))
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} "
+              f"| {mine['layer_us']:.0f} ({mine['layer_tflops_per_gpu']:.1f}) | "
+              + " | ".join(cells)
+              + f" | {'n/a' if stream is None else f'{stream:.2f}x'}"
+              f" | {mine.get('quantize_weights_us', 0):.0f} | {device} | {commit} |")
+
+
+def render_fp8_yardsticks(doc):
+    """bench/fp8_yardsticks.py: cuBLAS dense and torch grouped GEMMs in bf16 and FP8, and the FP8
+    weights' stream, median over the repeats."""
+    print("| measurement | shape | dtype, scaling | µs | rate | repeats µs | device | torch "
+          "| commit |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in doc["runs"]:
+        shape = "x".join(str(v) for v in r["shape"].values())
+        if "error" in r:
+            rate, us = f"error: {r['error'][:80]}", "n/a"
+        else:
+            us = f"{r['median_us']:.0f}"
+            rate = (f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r
+                    else f"{r['gbps']:.0f} GB/s read+write")
+        reps = " / ".join(f"{v:.0f}" for v in r.get("repeat_us", []))
+        name = r["name"].replace("|", "\\|")
+        print(f"| {name} | {shape} | {r['dtype']}, {r['scaling']} | {us} | {rate} | {reps} "
+              f"| {doc['device']} | {doc['torch']} | {doc['commit']} |")
 
 
 def render_fused(docs):
@@ -203,7 +269,7 @@ def render_comparison(runs):
     training forward (the one that keeps g | u) against the baselines' training forward
     (NCCL+PyTorch records autograd), and the training step (forward + backward timed as one)
     against the fastest baseline's, where the runs have them."""
-    runs = [r for r in runs if r["system"] not in (SWEEP, SIDE_AB)]
+    runs = [r for r in runs if r["system"] not in (SWEEP, SIDE_AB) and not is_fp8(r["system"])]
     series = sorted({(r["system"], r["direction"]) for r in runs}, key=lambda s: series_key(*s))
     presets = list(dict.fromkeys(r["preset"] for r in runs))
     unfused = ("epflow-unfused", "fwd") in series
@@ -311,6 +377,30 @@ def render_summary(runs):
               + " | ".join(cells) + " |")
 
 
+def render_fp8_summary(runs):
+    """The README's FP8 rows: EPFlow's FP8 forward against its bf16 forward and the fastest FP8
+    baseline forward; µs, the FP8 layer's speedup in brackets."""
+    rows = {}
+    for r in runs:
+        if r["direction"] == "fwd":
+            rows.setdefault(point(r), {})[r["system"]] = r
+    print("| model | tokens per GPU | EP | routing | FP8 inference forward, µs: EPFlow FP8 / "
+          "EPFlow bf16 | EPFlow FP8 / NCCL+PyTorch FP8 |")
+    print("|---|---:|---:|---|---:|---:|")
+    for key in sorted(rows, key=lambda k: (k[0], -k[2], k[3], k[1])):
+        row = rows[key]
+        mine = row.get(FP8)
+        if mine is None:
+            continue
+        cells = []
+        for theirs in (row.get("epflow"), row.get("nccl-pytorch-fp8")):
+            cells.append("n/a" if theirs is None else
+                         f"{mine['layer_us']:.0f} / {theirs['layer_us']:.0f} "
+                         f"({theirs['layer_us'] / mine['layer_us']:.2f}x)")
+        print(f"| {NAMES.get(key[0], key[0])} | {key[1]} | {key[2]} | {key[3]} | "
+              + " | ".join(cells) + " |")
+
+
 # How the summary names the presets.
 NAMES = {"deepseek-v3": "DeepSeek-V3", "qwen3-235b-a22b": "Qwen3-235B-A22B",
          "qwen3-30b-a3b": "Qwen3-30B-A3B", "deepseek-v4-flash": "DeepSeek-V4-Flash"}
@@ -386,7 +476,8 @@ def render_moelayer_step(doc):
               f"| {doc['commit']} |")
 
 
-OWN_RENDERERS = {"layer-memory": render_layer_memory, "moelayer-step": render_moelayer_step}
+OWN_RENDERERS = {"layer-memory": render_layer_memory, "moelayer-step": render_moelayer_step,
+                 "fp8-yardsticks": render_fp8_yardsticks}
 
 
 def main(paths, summary=False):
@@ -402,7 +493,12 @@ def main(paths, summary=False):
     if own:
         print()
     if summary:
-        render_summary(layer_runs([d for d in docs if d.get("kind") != "gemm"]))
+        runs = layer_runs([d for d in docs if d.get("kind") != "gemm"])
+        if any(not is_fp8(r["system"]) for r in runs):
+            render_summary(runs)
+        if any(r["system"] == FP8 for r in runs):
+            print()
+            render_fp8_summary(runs)
         return
     layer = [d for d in docs if d.get("kind") != "gemm"]
     gemm = [d for d in docs if d.get("kind") == "gemm"]
@@ -414,7 +510,10 @@ def main(paths, summary=False):
                 and "stage_us_0" in r)
     epflow = [{**d, "runs": [r for r in d["runs"] if epflow_stages(r)]} for d in layer]
     epflow = [d for d in epflow if d["runs"]]
-    if {(r["system"], r["direction"]) for r in runs} - {("epflow", "fwd")}:
+    if any(r["system"] == FP8 for r in runs):
+        render_fp8(runs)
+        print()
+    if {(r["system"], r["direction"]) for r in runs if not is_fp8(r["system"])} - {("epflow", "fwd")}:
         render_comparison(runs)
         if epflow:
             print()
