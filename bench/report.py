@@ -8,7 +8,8 @@ files from before it have none and are uniform. --summary prints only the short 
 README (EPFlow against the baselines, each pass in the mode the other system runs it). Runs of
 EPFlow's FP8 layer (epflow-bench --dtype fp8: system epflow-fp8) get a table of their own against
 the bf16 systems and the FP8 baselines (nccl-pytorch-fp8); bench/fp8_yardsticks.py files ("kind":
-"fp8-yardsticks") theirs. --summary prints the FP8 rows of the README after its bf16 table.
+"fp8-yardsticks") theirs; --summary adds their FP8 column (EPFlow FP8 against NCCL+PyTorch FP8;
+the bf16 runs of a file with FP8 runs stay out of the summary, the other files give those).
 Usage: bench/report.py [--summary] RESULT.json [RESULT.json ...]"""
 import json
 import sys
@@ -345,8 +346,9 @@ def render_baseline_stages(runs):
 def render_summary(runs):
     """The README's table: per point, EPFlow against the baseline that runs each pass the same
     way: inference forward against NCCL+cuBLAS (the inference baseline), training forward,
-    backward and training step (forward + backward timed as one) against NCCL+PyTorch; µs,
-    EPFlow's speedup in brackets."""
+    backward and training step (forward + backward timed as one) against NCCL+PyTorch, and, with
+    FP8 runs, EPFlow's FP8 inference forward against NCCL+PyTorch's FP8 one; µs, EPFlow's speedup
+    in brackets."""
     rows = {}
     for r in runs:
         rows.setdefault(point(r), {})[(r["system"], r["direction"])] = r
@@ -358,12 +360,14 @@ def render_summary(runs):
         b = theirs.get(field_theirs) if theirs else None
         return "n/a" if a is None or b is None else f"{a:.0f} / {b:.0f} ({b / a:.2f}x)"
 
+    fp8 = any(r["system"] == FP8 for r in runs)
     print("| model | tokens per GPU | EP | routing "
           "| inference forward, µs: EPFlow / NCCL+cuBLAS "
           "| training forward, µs: EPFlow / NCCL+PyTorch "
           "| backward, µs: EPFlow / NCCL+PyTorch "
-          "| training step, µs: EPFlow / NCCL+PyTorch |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|")
+          "| training step, µs: EPFlow / NCCL+PyTorch "
+          + ("| FP8 inference forward, µs: EPFlow / NCCL+PyTorch " if fp8 else "") + "|")
+    print("|---|---:|---:|---|---:|---:|---:|---:|" + ("---:|" if fp8 else ""))
     for key in sorted(rows, key=lambda k: (presets.index(k[0]), -k[2], routings.index(k[3]),
                                            k[1])):
         row = rows[key]
@@ -373,30 +377,9 @@ def render_summary(runs):
                  cell(bwd, torch_fwd, "forward_saving_us"),
                  cell(bwd, torch_bwd, "layer_us"),
                  cell(bwd, torch_bwd, "train_step_us", "train_step_us")]
-        print(f"| {NAMES.get(key[0], key[0])} | {key[1]} | {key[2]} | {key[3]} | "
-              + " | ".join(cells) + " |")
-
-
-def render_fp8_summary(runs):
-    """The README's FP8 rows: EPFlow's FP8 forward against its bf16 forward and the fastest FP8
-    baseline forward; µs, the FP8 layer's speedup in brackets."""
-    rows = {}
-    for r in runs:
-        if r["direction"] == "fwd":
-            rows.setdefault(point(r), {})[r["system"]] = r
-    print("| model | tokens per GPU | EP | routing | FP8 inference forward, µs: EPFlow FP8 / "
-          "EPFlow bf16 | EPFlow FP8 / NCCL+PyTorch FP8 |")
-    print("|---|---:|---:|---|---:|---:|")
-    for key in sorted(rows, key=lambda k: (k[0], -k[2], k[3], k[1])):
-        row = rows[key]
-        mine = row.get(FP8)
-        if mine is None:
-            continue
-        cells = []
-        for theirs in (row.get("epflow"), row.get("nccl-pytorch-fp8")):
-            cells.append("n/a" if theirs is None else
-                         f"{mine['layer_us']:.0f} / {theirs['layer_us']:.0f} "
-                         f"({theirs['layer_us'] / mine['layer_us']:.2f}x)")
+        if fp8:
+            cells.append(cell(row.get((FP8, "fwd")), row.get(("nccl-pytorch-fp8", "fwd")),
+                              "layer_us"))
         print(f"| {NAMES.get(key[0], key[0])} | {key[1]} | {key[2]} | {key[3]} | "
               + " | ".join(cells) + " |")
 
@@ -493,12 +476,11 @@ def main(paths, summary=False):
     if own:
         print()
     if summary:
-        runs = layer_runs([d for d in docs if d.get("kind") != "gemm"])
-        if any(not is_fp8(r["system"]) for r in runs):
-            render_summary(runs)
-        if any(r["system"] == FP8 for r in runs):
-            print()
-            render_fp8_summary(runs)
+        layer = [d for d in docs if d.get("kind") != "gemm"]
+        fp8_docs = [d for d in layer if any(r.get("system") == FP8 for r in d["runs"])]
+        layer = [{**d, "runs": [r for r in d["runs"] if is_fp8(r.get("system", "epflow"))]}
+                 if d in fp8_docs else d for d in layer]
+        render_summary(layer_runs(layer))
         return
     layer = [d for d in docs if d.get("kind") != "gemm"]
     gemm = [d for d in docs if d.get("kind") == "gemm"]
