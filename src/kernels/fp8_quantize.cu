@@ -60,12 +60,34 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t nc = cols - c0 < fp8::kBlock ? cols - c0 : fp8::kBlock;
   const __nv_bfloat16* src = w + matrix * rows * cols;
   uint8_t* dst = q + matrix * rows * cols;
-  // Thread t: column c0 + t % 128, rows t / 128, + 2, ... (coalesced along the row).
+  // Whole 128-column blocks of aligned rows: thread t holds 8 columns c0 + 8 (t % 16) .. + 7 of
+  // rows t / 16, + 16, ... in registers (16-byte loads, one pass over memory). Otherwise thread
+  // t reads column c0 + t % 128 of rows t / 128, + 2, ... twice (amax, then the values).
+  constexpr int kVecRowStep = kBlockThreads / 16, kVecPasses = fp8::kBlock / kVecRowStep;
+  const bool vector = nc == fp8::kBlock && cols % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(dst) % 8 == 0;
+  const int vcol = 8 * (threadIdx.x % 16), vfirst = threadIdx.x / 16;
   const int col = threadIdx.x % fp8::kBlock, first = threadIdx.x / fp8::kBlock;
+  float v[kVecPasses][8];
   float m = 0.0f;
-  if (col < nc)
+  if (vector) {
+#pragma unroll
+    for (int p = 0; p < kVecPasses; ++p) {
+      const int64_t r = vfirst + kVecRowStep * p;
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (r < nr) raw = *reinterpret_cast<const uint4*>(src + (r0 + r) * cols + c0 + vcol);
+      const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[p][2 * i] = __low2float(pair[i]), v[p][2 * i + 1] = __high2float(pair[i]);
+        m = fp8::amax_nan(m, fp8::amax_nan(fabsf(v[p][2 * i]), fabsf(v[p][2 * i + 1])));
+      }
+    }
+  } else if (col < nc) {
     for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock)
       m = fp8::amax_nan(m, fabsf(__bfloat162float(src[(r0 + r) * cols + c0 + col])));
+  }
   for (int off = 16; off > 0; off /= 2) m = fp8::amax_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
   __shared__ float warp_max[kBlockThreads / 32];
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
@@ -73,11 +95,25 @@ __global__ void __launch_bounds__(kBlockThreads)
   m = warp_max[0];
   for (int i = 1; i < kBlockThreads / 32; ++i) m = fp8::amax_nan(m, warp_max[i]);
   const float scale = fp8::block_scale(m, pow2);
-  if (col < nc)
+  if (vector) {
+#pragma unroll
+    for (int p = 0; p < kVecPasses; ++p) {
+      const int64_t r = vfirst + kVecRowStep * p;
+      if (r >= nr) continue;
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        lo |= uint32_t{fp8::quantize(v[p][i], scale)} << (8 * i);
+        hi |= uint32_t{fp8::quantize(v[p][4 + i], scale)} << (8 * i);
+      }
+      *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) = make_uint2(lo, hi);
+    }
+  } else if (col < nc) {
     for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock) {
       const int64_t at = (r0 + r) * cols + c0 + col;
       dst[at] = fp8::quantize(__bfloat162float(src[at]), scale);
     }
+  }
   if (threadIdx.x == 0) scales[(matrix * row_blocks + rb) * col_blocks + cb] = scale;
 }
 
