@@ -13,10 +13,14 @@ torch_moe.py's --routing; default uniform alone): the runs carry their routing, 
 JSON and the table keep them apart, and each routing gets its own plot (RESULTS-ROUTING.png when
 there are several).
 
+--dtype fp8 adds the FP8 forward: epflow-bench --dtype fp8 (EPFlow's FP8 layer, its bf16 layer
+and NCCL+cuBLAS) and torch_moe.py --dtype fp8 (NCCL+PyTorch's FP8 layer, checked first) beside
+the bf16 NCCL+PyTorch run; the merged table then starts with the FP8 comparison.
+
 Usage: bench/run_all.py --out results.json [--bench build/epflow-bench] [--dump PATH]
          [--png results.png] [--presets a,b] [--tokens 128,512] [--ep 1,2] [--iters N]
          [--warmup N] [--repeats N] [--seed S] [--routing uniform,zipf]
-         [--yardstick at-once|one-by-one|interleaved] [--backward]"""
+         [--yardstick at-once|one-by-one|interleaved] [--backward] [--dtype bf16|fp8]"""
 from __future__ import annotations
 
 import argparse
@@ -111,10 +115,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--backward", action="store_true",
                     help="also time EPFlow's backward (epflow-bench --backward, bf16 weight "
                     "gradients like the PyTorch layer's) next to the NCCL+PyTorch backward")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"],
+                    help="fp8: also EPFlow's and NCCL+PyTorch's FP8 forward (no --backward)")
     ap.add_argument("--yardstick", default="at-once",
                     choices=["at-once", "one-by-one", "interleaved"],
                     help="how epflow-bench measures its cuBLAS yardstick (its --yardstick)")
     args = ap.parse_args()
+    if args.dtype == "fp8" and args.backward:
+        ap.error("--dtype fp8 times forwards only: the FP8 layers have no backward")
     if args.png is None:
         args.png = args.out.with_suffix(".png")
     if args.dump is None:
@@ -145,8 +153,12 @@ def main() -> int:
     # The selftest compares every routing kind.
     run([sys.executable, str(BENCH_DIR / "baselines" / "inputs.py"), "--selftest", str(dump),
          "--device", "cuda"], env)
+    fp8 = ["--dtype", "fp8"] if args.dtype == "fp8" else []
     for routing in args.routing:
         run([*torchrun, str(max(eps)), torch_moe, "--check", "--routing", routing], env)
+        if fp8:
+            run([*torchrun, str(max(eps)), torch_moe, "--check", "--routing", routing, *fp8],
+                env)
     docs = []
     with tempfile.TemporaryDirectory(prefix="epflow-run-all-") as tmp:
         for routing in args.routing:
@@ -155,12 +167,17 @@ def main() -> int:
                 docs.append(run_json([str(bench), "--ep", str(ep), "--preset", args.presets,
                                       *common, "--routing", routing,
                                       "--yardstick", args.yardstick,
-                                      *(["--backward"] if args.backward else []),
+                                      *(["--backward"] if args.backward else []), *fp8,
                                       "--json", str(part)], env, part))
                 part = Path(tmp) / f"torch-ep{ep}-{routing}.json"
                 docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets", args.presets,
                                       *common, "--routing", routing, "--json", str(part)],
                                      env, part))
+                if fp8:
+                    part = Path(tmp) / f"torch-fp8-ep{ep}-{routing}.json"
+                    docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets",
+                                          args.presets, *common, "--routing", routing, *fp8,
+                                          "--json", str(part)], env, part))
 
     # One layer document whose runs carry their EP and routing (report.py and plot.py read it as
     # is).
@@ -174,6 +191,9 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(merged, indent=2) + "\n")
     print(f"\nmerged results: {args.out}\n")
+    if fp8:
+        report.render_fp8(report.layer_runs([merged]))
+        print()
     report.render_comparison(report.layer_runs([merged]))
     # A plot draws one series per system and point: one plot per routing.
     for routing in args.routing:

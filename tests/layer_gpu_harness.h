@@ -232,18 +232,24 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
 // Compares rank outputs with the reference on up to `max_checked_tokens` tokens per rank (all of
 // them when fewer), spread over the rank; every element of y must be finite (written). With
 // `fp8`, the reference is the quantization-matched FP8 one over those quantized experts.
-// Returns the largest relative error over the ranks.
-inline double expect_matches_reference(const LayerConfig& c,
-                                       const std::vector<reference::RankExperts>& experts,
-                                       const CallInputs& in,
-                                       const std::vector<std::vector<float>>& y,
-                                       int64_t max_checked_tokens, double tolerance = 1e-2,
-                                       const reference::Fp8Experts* fp8 = nullptr) {
-  double worst = 0.0;
+// The errors found: relative (L2 over the checked rows of a rank; the largest over the ranks),
+// and the largest of one row's own relative error.
+struct ReferenceErrors {
+  double relative = 0.0;
+  double worst_row = 0.0;
+};
+inline ReferenceErrors expect_matches_reference(const LayerConfig& c,
+                                                const std::vector<reference::RankExperts>& experts,
+                                                const CallInputs& in,
+                                                const std::vector<std::vector<float>>& y,
+                                                int64_t max_checked_tokens,
+                                                double tolerance = 1e-2,
+                                                const reference::Fp8Experts* fp8 = nullptr) {
+  ReferenceErrors worst;
   for (int r = 0; r < c.ep_size; ++r) {
     const int64_t T = in[r].num_tokens;
     EXPECT_EQ(static_cast<int64_t>(y[r].size()), T * c.hidden);
-    if (static_cast<int64_t>(y[r].size()) != T * c.hidden) return INFINITY;
+    if (static_cast<int64_t>(y[r].size()) != T * c.hidden) return {INFINITY, INFINITY};
     int64_t unwritten = 0;
     for (float f : y[r]) unwritten += !std::isfinite(f);
     EXPECT_EQ(unwritten, 0) << "rank " << r << ": elements of y not written (still NaN)";
@@ -273,16 +279,21 @@ inline double expect_matches_reference(const LayerConfig& c,
       });
     for (auto& t : pool) t.join();
     double err = 0, norm = 0;
-    for (size_t i = 0; i < tokens.size(); ++i)
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      double row_err = 0, row_norm = 0;
       for (int64_t j = 0; j < c.hidden; ++j) {
         const double d = double(y[r][tokens[i] * c.hidden + j]) - ref[i][j];
-        err += d * d;
-        norm += double(ref[i][j]) * ref[i][j];
+        row_err += d * d;
+        row_norm += double(ref[i][j]) * ref[i][j];
       }
+      err += row_err;
+      norm += row_norm;
+      if (row_norm > 0) worst.worst_row = std::max(worst.worst_row, std::sqrt(row_err / row_norm));
+    }
     if (norm > 0) {
       EXPECT_LE(std::sqrt(err / norm), tolerance)
           << "rank " << r << ": relative error over " << tokens.size() << " tokens";
-      worst = std::max(worst, std::sqrt(err / norm));
+      worst.relative = std::max(worst.relative, std::sqrt(err / norm));
     } else {
       EXPECT_EQ(err, 0.0) << "rank " << r << ": reference is zero, output is not";
     }

@@ -50,14 +50,13 @@ void run_and_check(const LayerConfig& c, const std::vector<CallInputs>& calls,
   ASSERT_TRUE(s.ok()) << s.to_string();
   for (size_t call = 0; call < calls.size(); ++call) {
     SCOPED_TRACE(::testing::Message() << "call " << call);
-    const double matched = testing::expect_matches_reference(
+    const testing::ReferenceErrors matched = testing::expect_matches_reference(
         c, experts, calls[call], result.y[call], max_checked_tokens, kVsMatched, &q);
-    const double exact = testing::expect_matches_reference(c, experts, calls[call],
-                                                           result.y[call], max_checked_tokens,
-                                                           kVsExact);
-    std::printf("call %zu: relative L2 error %.2e vs the quantization-matched reference, %.2e vs "
-                "the exact one\n",
-                call, matched, exact);
+    const testing::ReferenceErrors exact = testing::expect_matches_reference(
+        c, experts, calls[call], result.y[call], max_checked_tokens, kVsExact);
+    std::printf("call %zu: relative L2 error %.2e (largest row %.2e) vs the quantization-matched "
+                "reference, %.2e (largest row %.2e) vs the exact one\n",
+                call, matched.relative, matched.worst_row, exact.relative, exact.worst_row);
   }
 }
 
