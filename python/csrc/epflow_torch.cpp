@@ -334,30 +334,38 @@ struct ForwardCall {
   epflow::ForwardArgs args;
 };
 
-ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_idx,
-                         const at::Tensor& topk_weights, const at::Tensor& w_gate,
-                         const at::Tensor& w_up, const at::Tensor& w_down) {
+// The checked token arguments of one call of `op` on `h` (x [T, H], topk_idx and topk_weights
+// [T, K]), weights and y not yet bound.
+ForwardCall token_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_idx,
+                       const at::Tensor& topk_weights, const char* op) {
   const epflow::LayerConfig& c = h.config();
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(h.device()));
-  TORCH_CHECK(x.dim() == 2, "epflow.moe_forward: x must be [T, H=", c.hidden, "], got ",
-              x.sizes());
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, H=", c.hidden, "], got ", x.sizes());
   const int64_t T = x.size(0);
-  TORCH_CHECK(T <= c.max_tokens_per_rank, "epflow.moe_forward: T=", T,
+  TORCH_CHECK(T <= c.max_tokens_per_rank, op, ": T=", T,
               " exceeds the handle's max_tokens_per_rank=", c.max_tokens_per_rank);
-  const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate, K = c.top_k;
-  check_tensor(x, "x", at::kBFloat16, {T, H}, device);
-  check_tensor(topk_idx, "topk_idx", at::kInt, {T, K}, device);
-  check_tensor(topk_weights, "topk_weights", at::kFloat, {T, K}, device);
-  check_tensor(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device);
-  check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
-  check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
-
+  check_tensor(x, "x", at::kBFloat16, {T, c.hidden}, device);
+  check_tensor(topk_idx, "topk_idx", at::kInt, {T, c.top_k}, device);
+  check_tensor(topk_weights, "topk_weights", at::kFloat, {T, c.top_k}, device);
   ForwardCall call{device, {}};
   epflow::ForwardArgs& a = call.args;
   a.num_tokens = T;
   a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   a.topk_idx = topk_idx.data_ptr<int32_t>();
   a.topk_weights = topk_weights.data_ptr<float>();
+  return call;
+}
+
+ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_idx,
+                         const at::Tensor& topk_weights, const at::Tensor& w_gate,
+                         const at::Tensor& w_up, const at::Tensor& w_down) {
+  ForwardCall call = token_call(h, x, topk_idx, topk_weights, "epflow.moe_forward");
+  const epflow::LayerConfig& c = h.config();
+  const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
+  check_tensor(w_gate, "w_gate", at::kBFloat16, {E, I, H}, call.device);
+  check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, call.device);
+  check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, call.device);
+  epflow::ForwardArgs& a = call.args;
   a.weights.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
   a.weights.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
   a.weights.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
@@ -450,26 +458,15 @@ at::Tensor moe_forward_fp8(int64_t handle, const at::Tensor& x, const at::Tensor
   const epflow::LayerConfig& c = h.config();
   TORCH_CHECK(c.dtype == epflow::DType::kFP8Blockwise,
               "epflow.moe_forward_fp8: the handle is not an fp8 layer (use moe_forward)");
-  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(h.device()));
-  TORCH_CHECK(x.dim() == 2, "epflow.moe_forward_fp8: x must be [T, H=", c.hidden, "], got ",
-              x.sizes());
-  const int64_t T = x.size(0);
-  TORCH_CHECK(T <= c.max_tokens_per_rank, "epflow.moe_forward_fp8: T=", T,
-              " exceeds the handle's max_tokens_per_rank=", c.max_tokens_per_rank);
-  check_tensor(x, "x", at::kBFloat16, {T, c.hidden}, device);
-  check_tensor(topk_idx, "topk_idx", at::kInt, {T, c.top_k}, device);
-  check_tensor(topk_weights, "topk_weights", at::kFloat, {T, c.top_k}, device);
+  ForwardCall call = token_call(h, x, topk_idx, topk_weights, "epflow.moe_forward_fp8");
+  const at::Device& device = call.device;
   const auto shapes = fp8_weight_shapes(c);
   TORCH_CHECK(fp8_weights.size() == shapes.size(), "epflow.moe_forward_fp8: fp8_weights must be "
               "the 6 tensors Handle.quantize_weights returns, got ", fp8_weights.size());
   for (size_t i = 0; i < shapes.size(); ++i)
     check_tensor(fp8_weights[i], shapes[i].name, shapes[i].dtype, shapes[i].shape, device);
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  epflow::ForwardArgs a;
-  a.num_tokens = T;
-  a.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
-  a.topk_idx = topk_idx.data_ptr<int32_t>();
-  a.topk_weights = topk_weights.data_ptr<float>();
+  epflow::ForwardArgs& a = call.args;
   a.weights.fp8 = {fp8_weights[0].data_ptr<uint8_t>(), fp8_weights[1].data_ptr<uint8_t>(),
                    fp8_weights[2].data_ptr<uint8_t>(), fp8_weights[3].data_ptr<float>(),
                    fp8_weights[4].data_ptr<float>(), fp8_weights[5].data_ptr<float>()};
