@@ -370,6 +370,10 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
   const uint64_t a_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
   const uint64_t b_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
   constexpr uint32_t kHalfBytes = kTileCols / 2 * 128;  // a half's 128 weight rows of 128 B
+  // NOTES: acc starts at zero so every K block promotes with one FFMA per value: a first block
+  // written as a product made ptxas predicate both forms, issuing both in every block.
+#pragma unroll
+  for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
   float part[kTileCols / 4];
   float next_a0 = __ldcg(a0s), next_a1 = __ldcg(a1s), next_b0 = __ldg(b0s), next_b1 = __ldg(b1s);
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
@@ -401,13 +405,8 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
 #pragma unroll
       for (int j = 0; j < kTileCols / 16; ++j) {
         const float* v = part + 4 * j;
-        if (kb == 0) {
-          d[4 * j] = v[0] * s0, d[4 * j + 1] = v[1] * s0;
-          d[4 * j + 2] = v[2] * s1, d[4 * j + 3] = v[3] * s1;
-        } else {
-          d[4 * j] = fmaf(v[0], s0, d[4 * j]), d[4 * j + 1] = fmaf(v[1], s0, d[4 * j + 1]);
-          d[4 * j + 2] = fmaf(v[2], s1, d[4 * j + 2]), d[4 * j + 3] = fmaf(v[3], s1, d[4 * j + 3]);
-        }
+        d[4 * j] = fmaf(v[0], s0, d[4 * j]), d[4 * j + 1] = fmaf(v[1], s0, d[4 * j + 1]);
+        d[4 * j + 2] = fmaf(v[2], s1, d[4 * j + 2]), d[4 * j + 3] = fmaf(v[3], s1, d[4 * j + 3]);
       }
     }
   }
