@@ -107,6 +107,47 @@ def render_fp8_yardsticks(doc):
               f"| {doc['device']} | {doc['torch']} | {doc['commit']} |")
 
 
+# DeepGEMM 2.6.1's m-grouped FP8 GEMM (1 x 128 / 128 x 128 block scales, 32 experts) on an H200
+# under sustained load, TFLOP/s per rows per expert, and the block-wise dense FP8 yardstick
+# (torch._scaled_mm, 8192^3) of that run, 1085-1103: the project brief's anchors.
+DEEPGEMM_FP8_GROUPED = {"gate|up 7168 -> 4096": {128: 801, 512: 1075, 1024: 1169, 2048: 1176},
+                        "down 2048 -> 7168": {128: 761, 512: 1088, 1024: 1093, 2048: 1139}}
+DEEPGEMM_BLOCKWISE_YARDSTICK = 1094.0
+
+
+def blockwise_yardstick(doc):
+    """The block-wise dense FP8 figure of a bench/fp8_yardsticks.py run (None if absent)."""
+    for r in doc["runs"] if doc else []:
+        if r["name"] == "dense" and r["scaling"].startswith("blockwise") and "tflops" in r:
+            return r["tflops"]
+    return None
+
+
+def render_fp8_gemm(doc, yardsticks=None):
+    """epflow-fp8-gemm-bench against DeepGEMM's grouped FP8 GEMM: as measured, and normalised by
+    each run's block-wise dense FP8 yardstick (yardsticks: a bench/fp8_yardsticks.py document of
+    the same machine session; without one the normalised column says n/a)."""
+    mine_dense = blockwise_yardstick(yardsticks)
+    print("| shape | rows/expert | EPFlow µs | EPFlow TFLOP/s | repeats µs | DeepGEMM TFLOP/s "
+          "| EPFlow / DeepGEMM | normalised by block-wise dense | check (rel. err) | device "
+          "| commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in doc["runs"]:
+        theirs = DEEPGEMM_FP8_GROUPED.get(r["shape"], {}).get(r["rows_per_expert"])
+        ratio = None if theirs is None else r["tflops"] / theirs
+        normalised = (None if ratio is None or mine_dense is None
+                      else ratio * DEEPGEMM_BLOCKWISE_YARDSTICK / mine_dense)
+        reps = " / ".join(f"{v:.0f}" for v in r["repeat_us"])
+        shape = r["shape"].replace("|", "\\|")
+        print(f"| {shape} | {r['rows_per_expert']} | {r['median_us']:.0f} "
+              f"| {r['tflops']:.0f} | {reps} | {fmt(theirs, 'd')} | {fmt(ratio, '.2f')} "
+              f"| {fmt(normalised, '.2f')} | {r['check']} ({r['check_rel_err']:.1e}) "
+              f"| {doc['device']} | {doc['commit']} |")
+    if mine_dense is not None:
+        print(f"\nBlock-wise dense FP8 yardstick of this session: {mine_dense:.0f} TFLOP/s "
+              f"(DeepGEMM's run: {DEEPGEMM_BLOCKWISE_YARDSTICK:.0f}).")
+
+
 def render_fused(docs):
     """EPFlow's fused forward per stage: the megakernel is one stage (dispatch, expert FFN and
     combine overlapped inside it); its TFLOP/s count the rows this GPU's experts computed."""
@@ -460,16 +501,20 @@ def render_moelayer_step(doc):
 
 
 OWN_RENDERERS = {"layer-memory": render_layer_memory, "moelayer-step": render_moelayer_step,
-                 "fp8-yardsticks": render_fp8_yardsticks}
+                 "fp8-yardsticks": render_fp8_yardsticks, "fp8-gemm": render_fp8_gemm}
 
 
 def main(paths, summary=False):
     docs = [load(p) for p in paths]
     own = [d for d in docs if d.get("kind") in OWN_RENDERERS]
+    yardsticks = next((d for d in docs if d.get("kind") == "fp8-yardsticks"), None)
     for i, d in enumerate(own):
         if i:
             print()
-        OWN_RENDERERS[d["kind"]](d)
+        if d["kind"] == "fp8-gemm":
+            render_fp8_gemm(d, yardsticks)
+        else:
+            OWN_RENDERERS[d["kind"]](d)
     docs = [d for d in docs if d.get("kind") not in OWN_RENDERERS]
     if not docs:
         return

@@ -15,7 +15,10 @@ there are several).
 
 --dtype fp8 adds the FP8 forward: epflow-bench --dtype fp8 (EPFlow's FP8 layer, its bf16 layer
 and NCCL+cuBLAS) and torch_moe.py --dtype fp8 (NCCL+PyTorch's FP8 layer, checked first) beside
-the bf16 NCCL+PyTorch run; the merged table then starts with the FP8 comparison.
+the bf16 NCCL+PyTorch run; the merged table then starts with the FP8 comparison. It also runs the
+FP8 grouped GEMM alone (epflow-fp8-gemm-bench, beside epflow-bench) and bench/fp8_yardsticks.py
+(cuBLAS dense and torch grouped GEMMs in bf16 and FP8, the FP8 weight stream), each into its
+own JSON next to --out (OUT-fp8-gemm.json, OUT-fp8-yardsticks.json), and prints their tables.
 
 Usage: bench/run_all.py --out results.json [--bench build/epflow-bench] [--dump PATH]
          [--png results.png] [--presets a,b] [--tokens 128,512] [--ep 1,2] [--iters N]
@@ -133,7 +136,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     bench, dump = args.bench.resolve(), args.dump.resolve()
-    for exe in (bench, dump):
+    fp8_gemm_bench = bench.parent / "epflow-fp8-gemm-bench"
+    for exe in (bench, dump) + ((fp8_gemm_bench,) if args.dtype == "fp8" else ()):
         if not os.access(exe, os.X_OK):
             sys.exit(f"run_all.py: {exe} is not an executable: build it first (scripts/build.sh)")
     gpus = gpu_count()
@@ -192,6 +196,21 @@ def main() -> int:
     args.out.write_text(json.dumps(merged, indent=2) + "\n")
     print(f"\nmerged results: {args.out}\n")
     if fp8:
+        # The GEMM alone and the yardsticks it is normalised by, in the same session.
+        stem = args.out.with_suffix("")
+        gemm_path = Path(f"{stem}-fp8-gemm.json")
+        yard_path = Path(f"{stem}-fp8-yardsticks.json")
+        gemm_doc = run_json([str(fp8_gemm_bench), "--warmup", str(args.warmup), "--iters",
+                             str(args.iters), "--repeats", str(args.repeats), "--json",
+                             str(gemm_path)], env, gemm_path)
+        yard_doc = run_json([sys.executable, str(BENCH_DIR / "fp8_yardsticks.py"), "--warmup",
+                             str(args.warmup), "--iters", str(args.iters), "--repeats",
+                             str(args.repeats), "--json", str(yard_path)], env, yard_path)
+        print(f"\nFP8 grouped GEMM: {gemm_path}; FP8 yardsticks: {yard_path}\n")
+        report.render_fp8_gemm(gemm_doc, yard_doc)
+        print()
+        report.render_fp8_yardsticks(yard_doc)
+        print()
         report.render_fp8(report.layer_runs([merged]))
         print()
     report.render_comparison(report.layer_runs([merged]))

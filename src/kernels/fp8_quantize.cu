@@ -1,5 +1,6 @@
-// Block-scaled FP8 quantization kernels (fp8_quantize.cuh): a warp per 1 x 128 block of a row,
-// a CTA per 128 x 128 block of a matrix. Each finds its block's largest magnitude (a NaN wins),
+// Block-scaled FP8 quantization kernels (fp8_quantize.cuh): rows by 1 x 128 blocks (16 lanes
+// per block where rows are whole blocks and aligned, a warp per block elsewhere), a CTA per
+// 128 x 128 block of a matrix. Each finds its block's largest magnitude (a NaN wins),
 // takes fp8::block_scale of it and writes every element's fp8::quantize: the reference's code.
 #include "common/fp8_blocks.h"
 #include "kernels/fp8_quantize.cuh"
@@ -47,6 +48,55 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int i = 0; i < n; ++i) dst[i] = fp8::quantize(v[i], scale);
   }
   if (lane == 0) scales[row * scale_stride + b] = scale;
+}
+
+// Whole 128-column blocks of aligned rows (the layer's x): 16 lanes per block, each with 8
+// columns as one 16-byte load and one 8-byte store; a warp takes kVecBlocksPerWarp blocks and
+// issues all its loads before it reduces any, so enough bytes are in flight to run at the HBM
+// rate (one 8-byte load per lane and block leaves it latency-bound).
+constexpr int kVecBlocksPerWarp = 4;
+
+__global__ void __launch_bounds__(kRowThreads)
+    quantize_rows_vec_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, bool pow2,
+                             uint8_t* q, int64_t q_stride, float* scales, int64_t scale_stride) {
+  constexpr int kPasses = kVecBlocksPerWarp / 2;
+  const int64_t blocks_per_row = cols / fp8::kBlock, total = rows * blocks_per_row;
+  const int64_t warp = (int64_t{blockIdx.x} * kRowThreads + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32, col = 8 * (lane % 16);
+  int64_t row[kPasses], b[kPasses];
+  uint4 raw[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int64_t block = warp * kVecBlocksPerWarp + 2 * p + lane / 16;
+    row[p] = block < total ? block / blocks_per_row : -1;
+    b[p] = block < total ? block % blocks_per_row : 0;
+    raw[p] = row[p] >= 0 ? *reinterpret_cast<const uint4*>(x + row[p] * cols +
+                                                           b[p] * fp8::kBlock + col)
+                         : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    float v[8], m = 0.0f;
+    const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw[p]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __low2float(pair[i]), v[2 * i + 1] = __high2float(pair[i]);
+      m = fp8::amax_nan(m, fp8::amax_nan(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
+    }
+    for (int off = 8; off > 0; off /= 2)  // within the block's 16 lanes
+      m = fp8::amax_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (row[p] < 0) continue;
+    const float scale = fp8::block_scale(m, pow2);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      lo |= uint32_t{fp8::quantize(v[i], scale)} << (8 * i);
+      hi |= uint32_t{fp8::quantize(v[4 + i], scale)} << (8 * i);
+    }
+    *reinterpret_cast<uint2*>(q + row[p] * q_stride + b[p] * fp8::kBlock + col) =
+        make_uint2(lo, hi);
+    if (col == 0) scales[row[p] * scale_stride + b[p]] = scale;
+  }
 }
 
 __global__ void __launch_bounds__(kBlockThreads)
@@ -131,6 +181,14 @@ cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int
     return cudaErrorInvalidValue;
   const int64_t blocks = rows * blocks_per_row;
   if (blocks == 0) return cudaSuccess;
+  if (cols % fp8::kBlock == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(q) % 8 == 0 && q_stride % 8 == 0) {
+    constexpr int64_t kPerCta = kRowThreads / 32 * kVecBlocksPerWarp;
+    quantize_rows_vec_kernel<<<static_cast<unsigned>((blocks + kPerCta - 1) / kPerCta),
+                               kRowThreads, 0, stream>>>(x, rows, cols, pow2, q, q_stride, scales,
+                                                         scale_stride);
+    return cudaGetLastError();
+  }
   const int64_t grid = (blocks + kRowThreads / 32 - 1) / (kRowThreads / 32);
   quantize_rows_kernel<<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(
       x, rows, cols, pow2, q, q_stride, scales, scale_stride);

@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "common/fp8_blocks.h"
 #include "epflow/reference.h"
 #include "gpu_test_util.h"
 #include "kernels/fp8_quantize.cuh"
@@ -53,28 +54,45 @@ void expect_same(const std::vector<uint8_t>& q, const std::vector<uint8_t>& want
   EXPECT_EQ(bad_s, 0) << "scales differing from the reference, of " << s.size();
 }
 
+// Dense rows of 300 columns (a partial block, rows not 16-byte aligned: the warp-per-block
+// kernel) and packed rows of 512 columns with their scales after the values, as the FP8 layer
+// writes its window (whole aligned blocks: the 16-lanes-per-block kernel).
 TEST(Fp8QuantizeGpu, RowsMatchTheReference) {
   EPFLOW_SKIP_WITHOUT_GPU();
-  const int64_t rows = 37, cols = 300, nb = 3;
-  const auto x = make_values(rows * cols, 5, 4 * cols + 130, 20 * cols + 299);
+  struct Case {
+    int64_t rows, cols;
+    bool packed;
+  };
+  for (const Case& c : {Case{37, 300, false}, Case{45, 512, true}})
   for (bool pow2 : {false, true}) {
-    SCOPED_TRACE(pow2 ? "power-of-two scales" : "plain scales");
+    SCOPED_TRACE(::testing::Message() << c.rows << " x " << c.cols << (c.packed ? " packed" : "")
+                                      << (pow2 ? ", power-of-two scales" : ", plain scales"));
+    const int64_t rows = c.rows, cols = c.cols, nb = (cols + 127) / 128;
+    const auto x = make_values(rows * cols, 5, 4 * cols + 130, 20 * cols + cols - 1);
     std::vector<uint8_t> want_q(rows * cols), q(rows * cols);
     std::vector<float> want_s(rows * nb), s(rows * nb);
     reference::quantize_rows_1x128(to_float(x).data(), rows, cols, pow2, want_q.data(),
                                    want_s.data());
+    const int64_t row_bytes = c.packed ? fp8::packed_row_bytes(cols) : cols;
     __nv_bfloat16* dx = nullptr;
     uint8_t* dq = nullptr;
     float* ds = nullptr;
     EPFLOW_CUDA_CHECK(cudaMalloc(&dx, x.size() * 2));
-    EPFLOW_CUDA_CHECK(cudaMalloc(&dq, q.size()));
-    EPFLOW_CUDA_CHECK(cudaMalloc(&ds, s.size() * 4));
+    EPFLOW_CUDA_CHECK(cudaMalloc(&dq, rows * row_bytes));
+    if (!c.packed) EPFLOW_CUDA_CHECK(cudaMalloc(&ds, s.size() * 4));
     EPFLOW_CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-    EPFLOW_CUDA_CHECK(cudaMemset(dq, 0xAB, q.size()));
-    EPFLOW_CUDA_CHECK(cudaMemset(ds, 0xFF, s.size() * 4));  // NaN
-    EPFLOW_CUDA_CHECK(kernels::launch_quantize_rows_1x128(dx, rows, cols, pow2, dq, ds, nullptr));
-    EPFLOW_CUDA_CHECK(cudaMemcpy(q.data(), dq, q.size(), cudaMemcpyDeviceToHost));
-    EPFLOW_CUDA_CHECK(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
+    EPFLOW_CUDA_CHECK(cudaMemset(dq, 0xFF, rows * row_bytes));  // NaN bytes and NaN scales
+    if (!c.packed) EPFLOW_CUDA_CHECK(cudaMemset(ds, 0xFF, s.size() * 4));
+    float* scales = c.packed ? reinterpret_cast<float*>(dq + cols) : ds;
+    EPFLOW_CUDA_CHECK(kernels::launch_quantize_rows_1x128(
+        dx, rows, cols, pow2, dq, scales, nullptr, row_bytes, c.packed ? row_bytes / 4 : 0));
+    std::vector<uint8_t> got(rows * row_bytes);
+    EPFLOW_CUDA_CHECK(cudaMemcpy(got.data(), dq, got.size(), cudaMemcpyDeviceToHost));
+    if (!c.packed) EPFLOW_CUDA_CHECK(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(q.data() + r * cols, got.data() + r * row_bytes, cols);
+      if (c.packed) std::memcpy(s.data() + r * nb, got.data() + r * row_bytes + cols, nb * 4);
+    }
     for (void* p : {static_cast<void*>(dx), static_cast<void*>(dq), static_cast<void*>(ds)})
       EPFLOW_CUDA_CHECK(cudaFree(p));
     expect_same(q, want_q, s, want_s);

@@ -1,0 +1,313 @@
+// epflow-fp8-gemm-bench: the block-scaled FP8 grouped GEMM alone (kernels/fp8_grouped_gemm.cuh,
+// the mainloop of the FP8 megakernel) at DeepSeek-V3's expert shapes: 32 experts, gate|up
+// 7168 -> 4096 (gate and up stacked) and down 2048 -> 7168, equal rows per expert. Operands are
+// random e4m3 bytes (no NaN) with random positive scales (1 x 128 on the rows, 128 x 128 on the
+// weights). Per point: --warmup untimed calls (the sustained power state), then --repeats rounds
+// of --iters calls timed one by one with CUDA events; a round's figure is its median, the
+// point's the median over rounds. Afterwards a few rows of the output are checked against a CPU
+// computation from the same bytes and scales (a fast kernel that is wrong must not be reported).
+// Results as JSON (--json, kind "fp8-gemm"); bench/report.py renders them against DeepGEMM's
+// grouped FP8 GEMM, normalised by the block-wise dense FP8 yardstick of bench/fp8_yardsticks.py.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/fp8_blocks.h"
+#include "kernels/fp8_grouped_gemm.cuh"
+
+namespace {
+
+using namespace epflow;
+
+constexpr int32_t kExperts = 32;
+constexpr double kRelTol = 1e-2;  // bf16 output rounding is ~2e-3 of a row's norm
+
+struct Options {
+  std::vector<int64_t> rows = {128, 512, 1024, 2048};
+  int warmup = 100, iters = 20, repeats = 3;
+  uint64_t seed = 1;
+  std::string json;
+};
+
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "epflow-fp8-gemm-bench: %s\n"
+               "usage: epflow-fp8-gemm-bench [--rows R[,R...]] [--warmup N] [--iters N]\n"
+               "                             [--repeats N] [--seed S] [--json PATH]\n"
+               "  --rows  rows per expert (default 128,512,1024,2048)\n",
+               why);
+  std::exit(2);
+}
+
+int64_t positive(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  const long long n = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || n <= 0) usage((flag + " takes a positive integer").c_str());
+  return n;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) usage(("missing value after " + a).c_str());
+    const std::string v = argv[++i];
+    if (a == "--rows") {
+      o.rows.clear();
+      std::stringstream ss(v);
+      for (std::string item; std::getline(ss, item, ',');) {
+        o.rows.push_back(positive(a, item));
+        // Expert segments are whole tiles (the layer pads them; this bench does not).
+        if (o.rows.back() % 128 != 0) usage("--rows takes multiples of 128, the tile height");
+      }
+    } else if (a == "--warmup") {
+      o.warmup = static_cast<int>(positive(a, v));
+    } else if (a == "--iters") {
+      o.iters = static_cast<int>(positive(a, v));
+    } else if (a == "--repeats") {
+      o.repeats = static_cast<int>(positive(a, v));
+    } else if (a == "--seed") {
+      o.seed = static_cast<uint64_t>(positive(a, v));
+    } else if (a == "--json") {
+      o.json = v;
+    } else {
+      usage(("unknown option " + a).c_str());
+    }
+  }
+  return o;
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  std::fprintf(stderr, "epflow-fp8-gemm-bench: %s: %s\n", what, cudaGetErrorString(e));
+  std::exit(1);
+}
+
+__host__ __device__ uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Random e4m3 bytes without NaN (0x7F / 0xFF): any sign, exponent and mantissa but the NaN one.
+__global__ void fill_e4m3(uint8_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint8_t b = static_cast<uint8_t>(mix((i + 1) * 0x9E3779B97F4A7C15ull + seed));
+    p[i] = (b & 0x7F) == 0x7F ? b ^ 0x01 : b;
+  }
+}
+
+// Random scales 2^u, u uniform in [-4, 4): blocks of very different magnitudes.
+__global__ void fill_scales(float* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const double u = static_cast<double>(mix((i + 1) * 0x9E3779B97F4A7C15ull + seed) >> 11) /
+                     9007199254740992.0;
+    p[i] = exp2f(static_cast<float>(8.0 * u - 4.0));
+  }
+}
+
+template <class T>
+struct DeviceBuffer {
+  T* p = nullptr;
+  explicit DeviceBuffer(int64_t n) { check(cudaMalloc(&p, sizeof(T) * n), "cudaMalloc"); }
+  ~DeviceBuffer() { cudaFree(p); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+template <class T>
+std::vector<T> to_host(const T* p, int64_t n) {
+  std::vector<T> v(n);
+  check(cudaMemcpy(v.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost), "copy to host");
+  return v;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Shape {
+  const char* name;
+  int64_t n, k;
+};
+
+struct Result {
+  Shape shape;
+  int64_t rows_per_expert = 0;
+  double median_us = 0, tflops = 0, check_rel_err = 0;
+  std::vector<double> repeat_us;
+};
+
+// out[r, :] of the checked rows from the same bytes and scales on the CPU (double sums of each
+// 128-deep block, promoted with both scales as the kernel does), relative L2 error of the row.
+double check_rows(const Shape& s, int64_t per, const uint8_t* d_a, const float* d_as,
+                  const uint8_t* d_w, const float* d_ws, const __nv_bfloat16* d_out) {
+  const int64_t kb_n = s.k / fp8::kBlock, nb_n = s.n / fp8::kBlock;
+  double worst = 0.0;
+  const int64_t rows = kExperts * per;
+  for (int64_t r : {int64_t{0}, rows / 2 + per / 3, rows - 1}) {
+    const int64_t e = r / per;
+    const auto a = to_host(d_a + r * s.k, s.k);
+    const auto as = to_host(d_as + r * kb_n, kb_n);
+    const auto w = to_host(d_w + e * s.n * s.k, s.n * s.k);
+    const auto ws = to_host(d_ws + e * nb_n * kb_n, nb_n * kb_n);
+    const auto out = to_host(d_out + r * s.n, s.n);
+    float lut[256];
+    for (int b = 0; b < 256; ++b) lut[b] = fp8::to_float(static_cast<__nv_fp8_storage_t>(b));
+    std::vector<float> av(s.k);
+    for (int64_t i = 0; i < s.k; ++i) av[i] = lut[a[i]];
+    double err = 0.0, norm = 0.0;
+    for (int64_t c = 0; c < s.n; ++c) {
+      double y = 0.0;
+      for (int64_t kb = 0; kb < kb_n; ++kb) {
+        double part = 0.0;
+        for (int64_t i = kb * fp8::kBlock; i < (kb + 1) * fp8::kBlock; ++i)
+          part += double{av[i]} * lut[w[c * s.k + i]];
+        y += part * as[kb] * ws[(c / fp8::kBlock) * kb_n + kb];
+      }
+      const double got = __bfloat162float(out[c]);
+      err += (got - y) * (got - y);
+      norm += y * y;
+    }
+    worst = std::max(worst, std::sqrt(err / std::max(norm, 1e-30)));
+  }
+  return worst;
+}
+
+Result run_point(const Shape& s, int64_t per, const Options& o) {
+  const int64_t rows = kExperts * per, kb_n = s.k / fp8::kBlock, nb_n = s.n / fp8::kBlock;
+  std::vector<int64_t> seg(kExperts + 1);
+  for (int32_t e = 0; e <= kExperts; ++e) seg[e] = e * per;
+  DeviceBuffer<int64_t> d_seg(kExperts + 1);
+  DeviceBuffer<uint8_t> a(rows * s.k), w(kExperts * s.n * s.k);
+  DeviceBuffer<float> as(rows * kb_n), ws(kExperts * nb_n * kb_n);
+  DeviceBuffer<__nv_bfloat16> out(rows * s.n);
+  check(cudaMemcpy(d_seg.p, seg.data(), sizeof(int64_t) * seg.size(), cudaMemcpyHostToDevice),
+        "copy segments");
+  fill_e4m3<<<1024, 256>>>(a.p, rows * s.k, o.seed * 4 + 0);
+  fill_e4m3<<<1024, 256>>>(w.p, kExperts * s.n * s.k, o.seed * 4 + 1);
+  fill_scales<<<256, 256>>>(as.p, rows * kb_n, o.seed * 4 + 2);
+  fill_scales<<<256, 256>>>(ws.p, kExperts * nb_n * kb_n, o.seed * 4 + 3);
+  check(cudaMemset(out.p, 0xFF, sizeof(__nv_bfloat16) * rows * s.n), "poison the output");
+  kernels::Fp8GroupedGemmArgs g;
+  g.segments = kernels::ExpertSegments{kExperts, rows, d_seg.p, nullptr};
+  g.n = s.n;
+  g.k = s.k;
+  g.a = a.p;
+  g.a_scales = as.p;
+  g.w = w.p;
+  g.w_scales = ws.p;
+  g.out = out.p;
+  for (int i = 0; i < o.warmup; ++i) check(kernels::launch_fp8_grouped_gemm(g, nullptr), "launch");
+  cudaEvent_t e0, e1;
+  check(cudaEventCreate(&e0), "event");
+  check(cudaEventCreate(&e1), "event");
+  Result res{s, per};
+  for (int rep = 0; rep < o.repeats; ++rep) {
+    std::vector<double> us(o.iters);
+    for (int i = 0; i < o.iters; ++i) {
+      check(cudaEventRecord(e0), "event record");
+      check(kernels::launch_fp8_grouped_gemm(g, nullptr), "launch");
+      check(cudaEventRecord(e1), "event record");
+      check(cudaEventSynchronize(e1), "the GEMM");
+      float ms = 0.0f;
+      check(cudaEventElapsedTime(&ms, e0, e1), "event time");
+      us[i] = 1e3 * ms;
+    }
+    res.repeat_us.push_back(median(us));
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  res.median_us = median(res.repeat_us);
+  res.tflops = 2.0 * rows * s.n * s.k / res.median_us * 1e-6;
+  res.check_rel_err = check_rows(s, per, a.p, as.p, w.p, ws.p, out.p);
+  return res;
+}
+
+std::string json_of(const std::vector<Result>& results, const Options& o, const char* device,
+                    const char* commit) {
+  std::ostringstream js;
+  js.precision(6);
+  js << "{\n  \"kind\": \"fp8-gemm\",\n  \"device\": \"" << device << "\",\n  \"commit\": \""
+     << commit << "\",\n  \"experts\": " << kExperts << ",\n  \"warmup\": " << o.warmup
+     << ",\n  \"iters\": " << o.iters << ",\n  \"repeats\": " << o.repeats
+     << ",\n  \"seed\": " << o.seed << ",\n  \"check_tolerance\": " << kRelTol
+     << ",\n  \"runs\": [";
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Result& r = results[i];
+    js << (i ? "," : "") << "\n    {\"shape\": \"" << r.shape.name << "\", \"n\": " << r.shape.n
+       << ", \"k\": " << r.shape.k << ", \"rows_per_expert\": " << r.rows_per_expert
+       << ", \"median_us\": " << r.median_us << ", \"tflops\": " << r.tflops
+       << ", \"repeat_us\": [";
+    for (size_t j = 0; j < r.repeat_us.size(); ++j) js << (j ? ", " : "") << r.repeat_us[j];
+    js << "], \"check_rel_err\": " << r.check_rel_err << ", \"check\": \""
+       << (r.check_rel_err <= kRelTol ? "OK" : "MISMATCH") << "\"}";
+  }
+  js << "\n  ]\n}\n";
+  return js.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("epflow-fp8-gemm-bench: no CUDA GPU visible: nothing to time\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "device properties");
+  if (prop.major != 9) {
+    std::printf("epflow-fp8-gemm-bench: %s is not a Hopper GPU (sm_90a): nothing to time\n",
+                prop.name);
+    return 0;
+  }
+  const char* commit_env = std::getenv("EPFLOW_COMMIT");
+  const char* commit = commit_env ? commit_env : "unknown";
+  std::printf("FP8 grouped GEMM (1 x 128 / 128 x 128 block scales), %d experts, %s; %d warm-up, "
+              "%d repeats x %d calls\n",
+              kExperts, prop.name, o.warmup, o.repeats, o.iters);
+  std::printf("%-22s %12s %10s %10s  %-24s %s\n", "shape", "rows/expert", "us", "TFLOP/s",
+              "repeats us", "check (rel. err)");
+  std::vector<Result> results;
+  bool ok = true;
+  for (const Shape& s : {Shape{"gate|up 7168 -> 4096", 4096, 7168},
+                         Shape{"down 2048 -> 7168", 7168, 2048}}) {
+    for (int64_t per : o.rows) {
+      const Result r = run_point(s, per, o);
+      std::ostringstream reps;
+      for (size_t j = 0; j < r.repeat_us.size(); ++j)
+        reps << (j ? " / " : "") << static_cast<long long>(std::lround(r.repeat_us[j]));
+      const bool good = r.check_rel_err <= kRelTol;
+      ok = ok && good;
+      std::printf("%-22s %12lld %10.1f %10.0f  %-24s %s (%.1e)\n", s.name,
+                  static_cast<long long>(per), r.median_us, r.tflops, reps.str().c_str(),
+                  good ? "OK" : "MISMATCH", r.check_rel_err);
+      results.push_back(r);
+    }
+  }
+  if (!o.json.empty()) {
+    std::ofstream f(o.json);
+    f << json_of(results, o, prop.name, commit);
+    if (!f) {
+      std::fprintf(stderr, "epflow-fp8-gemm-bench: cannot write %s\n", o.json.c_str());
+      return 1;
+    }
+    std::printf("results: %s\n", o.json.c_str());
+  }
+  if (!ok) std::fprintf(stderr, "epflow-fp8-gemm-bench: an output differs from the CPU's\n");
+  return ok ? 0 : 1;
+}
