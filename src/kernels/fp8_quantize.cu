@@ -59,17 +59,20 @@ constexpr int kVecBlocksPerWarp = 4;
 __global__ void __launch_bounds__(kRowThreads)
     quantize_rows_vec_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, bool pow2,
                              uint8_t* q, int64_t q_stride, float* scales, int64_t scale_stride) {
+  // NOTES: 32-bit block indices (the launcher checks they fit): a 64-bit division is a long
+  // instruction sequence, per 16 bytes each lane moves.
   constexpr int kPasses = kVecBlocksPerWarp / 2;
-  const int64_t blocks_per_row = cols / fp8::kBlock, total = rows * blocks_per_row;
-  const int64_t warp = (int64_t{blockIdx.x} * kRowThreads + threadIdx.x) / 32;
+  const uint32_t blocks_per_row = static_cast<uint32_t>(cols / fp8::kBlock);
+  const uint32_t total = static_cast<uint32_t>(rows) * blocks_per_row;
+  const uint32_t warp = blockIdx.x * (kRowThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32, col = 8 * (lane % 16);
   int64_t row[kPasses], b[kPasses];
   uint4 raw[kPasses];
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
-    const int64_t block = warp * kVecBlocksPerWarp + 2 * p + lane / 16;
-    row[p] = block < total ? block / blocks_per_row : -1;
-    b[p] = block < total ? block % blocks_per_row : 0;
+    const uint32_t block = warp * kVecBlocksPerWarp + 2 * p + lane / 16;
+    row[p] = block < total ? int64_t{block / blocks_per_row} : int64_t{-1};
+    b[p] = block < total ? int64_t{block % blocks_per_row} : int64_t{0};
     raw[p] = row[p] >= 0 ? *reinterpret_cast<const uint4*>(x + row[p] * cols +
                                                            b[p] * fp8::kBlock + col)
                          : make_uint4(0, 0, 0, 0);
@@ -181,7 +184,8 @@ cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int
     return cudaErrorInvalidValue;
   const int64_t blocks = rows * blocks_per_row;
   if (blocks == 0) return cudaSuccess;
-  if (cols % fp8::kBlock == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+  if (cols % fp8::kBlock == 0 && blocks + kRowThreads < (int64_t{1} << 32) &&
+      reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(q) % 8 == 0 && q_stride % 8 == 0) {
     constexpr int64_t kPerCta = kRowThreads / 32 * kVecBlocksPerWarp;
     quantize_rows_vec_kernel<<<static_cast<unsigned>((blocks + kPerCta - 1) / kPerCta),
