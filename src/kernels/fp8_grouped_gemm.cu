@@ -24,11 +24,6 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
   if (seg.empty()) return cudaSuccess;
   if (!seg.seg_offset || !a.a || !a.a_scales || !a.w || !a.w_scales || !a.out)
     return cudaErrorInvalidValue;
-  const int64_t k_blocks = a.k / fp8::kBlock;
-  const int64_t a_scale_stride = a.a_scale_stride > 0 ? a.a_scale_stride : (k_blocks + 3) / 4 * 4;
-  if (a_scale_stride % 4 != 0 || a_scale_stride < k_blocks ||
-      reinterpret_cast<uintptr_t>(a.a_scales) % 16 != 0)
-    return cudaErrorInvalidValue;
   int32_t sm_count = 0;
   if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
   if (a.max_ctas > 0 && a.max_ctas < sm_count) sm_count = a.max_ctas;
@@ -45,7 +40,7 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
     return cudaErrorInvalidValue;
   gemm::GemmParams p = gemm::GemmParams::of(seg.seg_offset, nullptr, seg.experts, a.n, a.k);
   p.fp8.a = a.a_scales;
-  p.fp8.a_row_floats = a_scale_stride;
+  p.fp8.a_row_floats = a.k / fp8::kBlock;
   p.fp8.b0 = p.fp8.b1 = a.w_scales;
   p.fp8.n_blocks = static_cast<int32_t>(a.n / fp8::kBlock);
   p.fp8.k_blocks = static_cast<int32_t>(a.k / fp8::kBlock);

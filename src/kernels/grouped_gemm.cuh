@@ -67,8 +67,7 @@ template <Epilogue kEpi>
 inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kTileCols / 2 : kTileCols;
 
 // Where an FP8 tile's fp32 block scales are. A (1 x 128): row r's scale of K block kb at
-// a[r * a_row_floats + kb]; a and a_row_floats 16-byte aligned (whole float4s of a row are read,
-// up to the next multiple of four K blocks). B (128 x 128), [experts, n_blocks, k_blocks] each: kSwiGLU takes
+// a[r * a_row_floats + kb]. B (128 x 128), [experts, n_blocks, k_blocks] each: kSwiGLU takes
 // the tile's gate half from b0 and its up half from b1, both block n_tile; kStore takes blocks
 // 2 n_tile and 2 n_tile + 1 of b0. power_of_two: h's scales in the kSwiGLU epilogue.
 struct Fp8Scales {
@@ -376,24 +375,13 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
 #pragma unroll
   for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
   float part[kTileCols / 4];
-  // A scales: 16-byte loads of a row's scales of four K blocks (rows of scales are padded to a
-  // multiple of four floats), spread over the quad that shares the rows: lanes q = 0, 1 hold
-  // rows g and g + 8 of the even groups of four K blocks, lanes 2, 3 of the odd ones, each
-  // loading its next group while the other pair's is in use; a K block's scales come by two
-  // shuffles. NOTES: a scalar load per row and K block ran measurably slower than no A scale
-  // loads at all, and a float4 per row and group in every lane spilled.
-  const int lane = tid % 32, q = lane % 4;
-  const float4* my_row = reinterpret_cast<const float4*>(q % 2 ? a1s : a0s);
-  const int group_blocks = (k_blocks + 3) / 4;
-  float4 mine = q / 2 < group_blocks ? __ldcg(my_row + q / 2) : make_float4(0, 0, 0, 0);
-  float next_b0 = __ldg(b0s), next_b1 = __ldg(b1s);
+  float next_a0 = __ldcg(a0s), next_a1 = __ldcg(a1s), next_b0 = __ldg(b0s), next_b1 = __ldg(b1s);
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
-    const int j = kb % 4, group = kb / 4;
-    const float own = j == 0 ? mine.x : j == 1 ? mine.y : j == 2 ? mine.z : mine.w;
-    const int holders = (lane & ~3) | (group % 2) * 2;
-    const float sa0 = __shfl_sync(0xffffffffu, own, holders);
-    const float sa1 = __shfl_sync(0xffffffffu, own, holders + 1);
-    const float sb0 = next_b0, sb1 = next_b1;
+    const float sa0 = next_a0, sa1 = next_a1, sb0 = next_b0, sb1 = next_b1;
+    if (kb + 1 < k_blocks) {
+      next_a0 = __ldcg(a0s + kb + 1), next_a1 = __ldcg(a1s + kb + 1);
+      next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
+    }
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
     const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
     const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
@@ -408,12 +396,6 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                    kk > 0);
       ptx::wgmma_commit_group();
       fp8_turn_pass(wg);
-      if (half == 0) {
-        // The pair that held the last group loads the next one, its group + 2.
-        if (j == 3 && q / 2 == group % 2 && group + 2 < group_blocks)
-          mine = __ldcg(my_row + group + 2);
-        if (kb + 1 < k_blocks) next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
-      }
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(part);
       if (half == 1 && tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
