@@ -378,10 +378,6 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
   float next_a0 = __ldcg(a0s), next_a1 = __ldcg(a1s), next_b0 = __ldg(b0s), next_b1 = __ldg(b1s);
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     const float sa0 = next_a0, sa1 = next_a1, sb0 = next_b0, sb1 = next_b1;
-    if (kb + 1 < k_blocks) {
-      next_a0 = __ldcg(a0s + kb + 1), next_a1 = __ldcg(a1s + kb + 1);
-      next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
-    }
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
     const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
     const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
@@ -396,6 +392,12 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                    kk > 0);
       ptx::wgmma_commit_group();
       fp8_turn_pass(wg);
+      // The next block's scales. NOTES: issued after the first half's wgmmas rather than before
+      // them: measurably faster at large row counts (docs/design/fp8_forward.md).
+      if (half == 0 && kb + 1 < k_blocks) {
+        next_a0 = __ldcg(a0s + kb + 1), next_a1 = __ldcg(a1s + kb + 1);
+        next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
+      }
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(part);
       if (half == 1 && tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
