@@ -540,6 +540,13 @@ def main(paths, summary=False):
     if any(r["system"] == FP8 for r in runs):
         render_fp8(runs)
         print()
+        staged = [{**d, "runs": [r for r in d["runs"] if r.get("system") == FP8
+                                 and "stage_us_0" in r]} for d in layer]
+        staged = [d for d in staged if d["runs"]]
+        if staged:
+            print("EPFlow's FP8 forward per stage (metadata+schedule includes quantizing x):\n")
+            render_fused(staged)
+            print()
     if {(r["system"], r["direction"]) for r in runs if not is_fp8(r["system"])} - {("epflow", "fwd")}:
         render_comparison(runs)
         if epflow:
