@@ -68,8 +68,8 @@ inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kTileCols / 2 : kTil
 
 // Where an FP8 tile's fp32 block scales are. A (1 x 128): in shared memory, a box of
 // kFp8ScaleBoxBytes per stage at a_smem (the producer loads it with the stage's tiles,
-// Fp8RowScales): the tile's row r's scales of K blocks kb .. kb + 3 at bytes 16 r .. 16 r + 15
-// of stage kb's box. B (128 x 128), [experts, n_blocks, k_blocks] each: kSwiGLU takes the tile's
+// Fp8RowScales): stage kb's box holds the tile's row r's scales of the four K blocks from
+// kb & ~3 at bytes 16 r .. 16 r + 15. B (128 x 128), [experts, n_blocks, k_blocks] each: kSwiGLU takes the tile's
 // gate half from b0 and its up half from b1, both block n_tile; kStore takes blocks 2 n_tile and
 // 2 n_tile + 1 of b0. power_of_two: h's scales in the kSwiGLU epilogue.
 struct Fp8Scales {
@@ -269,9 +269,12 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
         ptx::tma_load_2d(s.a[ps.stage] + box * kRowBoxM * kBlockK * 2, map_a_rows, kb * kKElems,
                          c.a_row + box * kRowBoxM, full);
     }
-    if constexpr (kOp == Operands::kFP8)  // all 128 rows: rows past the routed ones feed padding
-      ptx::tma_load_2d(row_scales.smem + ps.stage * kFp8ScaleBoxBytes, row_scales.map, kb * 4,
-                       c.a_row, full);
+    // All 128 rows (rows past the routed ones feed padding). NOTES: a TMA box must start on a
+    // 16-byte boundary in its innermost dimension (otherwise: illegal instruction), so each stage
+    // loads the aligned group of four K blocks holding its own.
+    if constexpr (kOp == Operands::kFP8)
+      ptx::tma_load_2d(row_scales.smem + ps.stage * kFp8ScaleBoxBytes, row_scales.map,
+                       (kb & ~3) * 4, c.a_row, full);
     if constexpr (kMajor == WeightMajor::kN) {
       // Four boxes of 64 N x 64 K, 8 KB apart (the layout smem_desc_n_major_sw128 describes).
       static_assert(kEpi == Epilogue::kStore && kOp == Operands::kBF16,
@@ -394,7 +397,7 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     const float sb0 = next_b0, sb1 = next_b1;
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
-    const uint32_t box = row_scale0 + ps.stage * kFp8ScaleBoxBytes;
+    const uint32_t box = row_scale0 + ps.stage * kFp8ScaleBoxBytes + (kb & 3) * 4;
     const float sa0 = ptx::ld_shared_f32(box), sa1 = ptx::ld_shared_f32(box + 8 * 16);
     const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
     const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
