@@ -141,7 +141,7 @@ def render_fp8_gemm(doc, yardsticks=None):
         shape = r["shape"].replace("|", "\\|")
         print(f"| {shape} | {r['rows_per_expert']} | {r['median_us']:.0f} "
               f"| {r['tflops']:.0f} | {reps} | {fmt(theirs, 'd')} | {fmt(ratio, '.2f')} "
-              f"| {fmt(normalised, '.2f')} | {r['check']} ({r['check_rel_err']:.1e}) "
+              f"| {fmt(normalised, '.2f')} | {r['check']} ({fmt(r['check_rel_err'], '.1e')}) "
               f"| {doc['device']} | {doc['commit']} |")
     if mine_dense is not None:
         print(f"\nBlock-wise dense FP8 yardstick of this session: {mine_dense:.0f} TFLOP/s "
