@@ -155,14 +155,15 @@ struct Result {
 // 128-deep block, promoted with both scales as the kernel does): the worst row's relative error
 // (bench::rel_err: infinite for a non-finite output, a row never written).
 double check_rows(const Shape& s, int64_t per, const uint8_t* d_a, const float* d_as,
-                  const uint8_t* d_w, const float* d_ws, const __nv_bfloat16* d_out) {
+                  int64_t as_stride, const uint8_t* d_w, const float* d_ws,
+                  const __nv_bfloat16* d_out) {
   const int64_t kb_n = s.k / fp8::kBlock, nb_n = s.n / fp8::kBlock;
   double worst = 0.0;
   const int64_t rows = kExperts * per;
   for (int64_t r : {int64_t{0}, rows / 2 + per / 3, rows - 1}) {
     const int64_t e = r / per;
     const auto a = to_host(d_a + r * s.k, s.k);
-    const auto as = to_host(d_as + r * kb_n, kb_n);
+    const auto as = to_host(d_as + r * as_stride, kb_n);
     const auto w = to_host(d_w + e * s.n * s.k, s.n * s.k);
     const auto ws = to_host(d_ws + e * nb_n * kb_n, nb_n * kb_n);
     const auto out = to_host(d_out + r * s.n, s.n);
@@ -187,17 +188,18 @@ double check_rows(const Shape& s, int64_t per, const uint8_t* d_a, const float* 
 
 Result run_point(const Shape& s, int64_t per, const Options& o) {
   const int64_t rows = kExperts * per, kb_n = s.k / fp8::kBlock, nb_n = s.n / fp8::kBlock;
+  const int64_t as_stride = (kb_n + 3) / 4 * 4;  // the kernel's scale rows: whole float4s
   std::vector<int64_t> seg(kExperts + 1);
   for (int32_t e = 0; e <= kExperts; ++e) seg[e] = e * per;
   DeviceBuffer<int64_t> d_seg(kExperts + 1);
   DeviceBuffer<uint8_t> a(rows * s.k), w(kExperts * s.n * s.k);
-  DeviceBuffer<float> as(rows * kb_n), ws(kExperts * nb_n * kb_n);
+  DeviceBuffer<float> as(rows * as_stride), ws(kExperts * nb_n * kb_n);
   DeviceBuffer<__nv_bfloat16> out(rows * s.n);
   check(cudaMemcpy(d_seg.p, seg.data(), sizeof(int64_t) * seg.size(), cudaMemcpyHostToDevice),
         "copy segments");
   fill_e4m3<<<1024, 256>>>(a.p, rows * s.k, o.seed * 4 + 0);
   fill_e4m3<<<1024, 256>>>(w.p, kExperts * s.n * s.k, o.seed * 4 + 1);
-  fill_scales<<<256, 256>>>(as.p, rows * kb_n, o.seed * 4 + 2);
+  fill_scales<<<256, 256>>>(as.p, rows * as_stride, o.seed * 4 + 2);
   fill_scales<<<256, 256>>>(ws.p, kExperts * nb_n * kb_n, o.seed * 4 + 3);
   check(cudaMemset(out.p, 0xFF, sizeof(__nv_bfloat16) * rows * s.n), "poison the output");
   kernels::Fp8GroupedGemmArgs g;
@@ -206,6 +208,7 @@ Result run_point(const Shape& s, int64_t per, const Options& o) {
   g.k = s.k;
   g.a = a.p;
   g.a_scales = as.p;
+  g.a_scale_stride = as_stride;
   g.w = w.p;
   g.w_scales = ws.p;
   g.out = out.p;
@@ -231,7 +234,7 @@ Result run_point(const Shape& s, int64_t per, const Options& o) {
   cudaEventDestroy(e1);
   res.median_us = median(res.repeat_us);
   res.tflops = 2.0 * rows * s.n * s.k / res.median_us * 1e-6;
-  res.check_rel_err = check_rows(s, per, a.p, as.p, w.p, ws.p, out.p);
+  res.check_rel_err = check_rows(s, per, a.p, as.p, as_stride, w.p, ws.p, out.p);
   return res;
 }
 

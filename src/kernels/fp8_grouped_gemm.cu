@@ -13,7 +13,7 @@ using gemm::Epilogue;
 using gemm::Operands;
 using gemm::WeightMajor;
 
-constexpr int kStages = 3;  // 3 x 48 KB of tiles + 64 KB of output staging: 208 KB of 227
+constexpr int kStages = 3;  // 3 x (48 KB of tiles + 2 KB of row scales) + 64 KB of staging: 214 KB of 227
 
 }  // namespace
 
@@ -24,6 +24,11 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
   if (seg.empty()) return cudaSuccess;
   if (!seg.seg_offset || !a.a || !a.a_scales || !a.w || !a.w_scales || !a.out)
     return cudaErrorInvalidValue;
+  const int64_t k_blocks = a.k / fp8::kBlock;
+  const int64_t a_scale_stride = a.a_scale_stride > 0 ? a.a_scale_stride : (k_blocks + 3) / 4 * 4;
+  if (a_scale_stride % 4 != 0 || a_scale_stride < k_blocks ||
+      reinterpret_cast<uintptr_t>(a.a_scales) % 16 != 0)
+    return cudaErrorInvalidValue;
   int32_t sm_count = 0;
   if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
   if (a.max_ctas > 0 && a.max_ctas < sm_count) sm_count = a.max_ctas;
@@ -32,15 +37,19 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
   const uint32_t a_few_box[2] = {fp8::kBlock, gemm::kRowBoxM};
   const uint64_t w_dims[3] = {uint64_t(a.k), uint64_t(a.n), uint64_t(seg.experts)};
   const uint32_t w_box[3] = {fp8::kBlock, kTileCols, 1};
-  CUtensorMap map_a, map_a_rows, map_w, map_out;
-  if (!encode_u8_tensor_map(&map_a, a.a, 2, a_dims, a_box).ok() ||
+  // The rows' scales as bytes: four K blocks' scales of each of a tile's rows per box.
+  const uint64_t as_dims[2] = {uint64_t(k_blocks * 4), uint64_t(seg.max_rows)};
+  const uint64_t as_stride[1] = {uint64_t(a_scale_stride * 4)};
+  const uint32_t as_box[2] = {16, kTileRows};
+  CUtensorMap map_a, map_a_rows, map_a_scales, map_w, map_out;
+  if (!encode_u8_tensor_map_unswizzled(&map_a_scales, a.a_scales, 2, as_dims, as_box, as_stride)
+           .ok() ||
+      !encode_u8_tensor_map(&map_a, a.a, 2, a_dims, a_box).ok() ||
       !encode_u8_tensor_map(&map_a_rows, a.a, 2, a_dims, a_few_box).ok() ||
       !encode_u8_tensor_map(&map_w, a.w, 3, w_dims, w_box).ok() ||
       !gemm::encode_output_map(a.out, a.n, seg.max_rows, &map_out))
     return cudaErrorInvalidValue;
   gemm::GemmParams p = gemm::GemmParams::of(seg.seg_offset, nullptr, seg.experts, a.n, a.k);
-  p.fp8.a = a.a_scales;
-  p.fp8.a_row_floats = a.k / fp8::kBlock;
   p.fp8.b0 = p.fp8.b1 = a.w_scales;
   p.fp8.n_blocks = static_cast<int32_t>(a.n / fp8::kBlock);
   p.fp8.k_blocks = static_cast<int32_t>(a.k / fp8::kBlock);
@@ -48,12 +57,13 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
   const int grid = static_cast<int>(max_tiles < sm_count ? max_tiles : sm_count);
   auto* kernel =
       gemm::grouped_gemm_kernel<Epilogue::kStore, kStages, WeightMajor::kK, Operands::kFP8>;
-  constexpr size_t smem = gemm::shared_bytes<Epilogue::kStore, kStages>();
+  constexpr size_t smem = gemm::shared_bytes<Epilogue::kStore, kStages, Operands::kFP8>();
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess)
     return e;
-  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_a, map_a_rows, map_w, map_w, map_out, p);
+  kernel<<<grid, gemm::kThreads, smem, stream>>>(map_a, map_a_rows, map_w, map_w, map_out,
+                                                 map_a_scales, p);
   return cudaGetLastError();
 }
 

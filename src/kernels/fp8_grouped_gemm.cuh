@@ -20,7 +20,9 @@ struct Fp8GroupedGemmArgs {
   ExpertSegments segments;           // expert_rows unused: whole tiles are computed
   int64_t n = 0, k = 0;              // multiples of 128
   const uint8_t* a = nullptr;        // [segments.max_rows, k] e4m3
-  const float* a_scales = nullptr;   // [segments.max_rows, k / 128]
+  const float* a_scales = nullptr;   // [segments.max_rows, a_scale_stride], 16-byte aligned
+  int64_t a_scale_stride = 0;        // floats per row: a multiple of 4 (rows TMA loads are
+                                     // 16-byte aligned), >= k / 128; 0: the smallest such
   const uint8_t* w = nullptr;        // [experts, n, k] e4m3 (nn.Linear layout)
   const float* w_scales = nullptr;   // [experts, n / 128, k / 128]
   __nv_bfloat16* out = nullptr;      // [segments.max_rows, n]

@@ -66,18 +66,31 @@ inline constexpr int kBlockKElems = kOp == Operands::kFP8 ? fp8::kBlock : kBlock
 template <Epilogue kEpi>
 inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kTileCols / 2 : kTileCols;
 
-// Where an FP8 tile's fp32 block scales are. A (1 x 128): row r's scale of K block kb at
-// a[r * a_row_floats + kb]. B (128 x 128), [experts, n_blocks, k_blocks] each: kSwiGLU takes
-// the tile's gate half from b0 and its up half from b1, both block n_tile; kStore takes blocks
-// 2 n_tile and 2 n_tile + 1 of b0. power_of_two: h's scales in the kSwiGLU epilogue.
+// Where an FP8 tile's fp32 block scales are. A (1 x 128): in shared memory, a box of
+// kFp8ScaleBoxBytes per stage at a_smem (the producer loads it with the stage's tiles,
+// Fp8RowScales): stage kb's box holds the tile's row r's scales of the four K blocks from
+// kb & ~3 at bytes 16 r .. 16 r + 15. B (128 x 128), [experts, n_blocks, k_blocks] each: kSwiGLU takes the tile's
+// gate half from b0 and its up half from b1, both block n_tile; kStore takes blocks 2 n_tile and
+// 2 n_tile + 1 of b0. power_of_two: h's scales in the kSwiGLU epilogue.
 struct Fp8Scales {
-  const float* a = nullptr;
-  int64_t a_row_floats = 0;
+  const uint8_t* a_smem = nullptr;
   const float* b0 = nullptr;
   const float* b1 = nullptr;
   int32_t n_blocks = 0;
   int32_t k_blocks = 0;
   bool power_of_two = false;
+};
+
+// The producer's side of the rows' scales (Operands::kFP8): map, a TMA map of the rows' scale
+// bytes (u8, unswizzled, dims {k_blocks * 4, rows}, boxes of {16, kTileRows}: four K blocks'
+// scales of every row of a tile, 2 KB; out-of-range blocks read as zeros); smem, the per-stage
+// boxes (Fp8Scales::a_smem). NOTES: the rows' scales as per-thread global loads (a load per row
+// and K block) cost ~8% of the FP8 GEMM; through shared memory they come with the stage, as
+// DeepGEMM's do.
+inline constexpr uint32_t kFp8ScaleBoxBytes = kTileRows * 16;
+struct Fp8RowScales {
+  const CUtensorMap* map = nullptr;
+  uint8_t* smem = nullptr;
 };
 
 struct GemmParams {
@@ -228,7 +241,8 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              const CUtensorMap* map_a_rows,
                                              const CUtensorMap* map_b0, const CUtensorMap* map_b1,
                                              const StageTags& tags = {}, int64_t task_id = 0,
-                                             int32_t b0_k_blocks = 0) {
+                                             int32_t b0_k_blocks = 0,
+                                             const Fp8RowScales& row_scales = {}) {
   // tags (a megakernel's dynamic schedule): the tile's tag, written next to its first stage for
   // the consumers to read once that stage is full.
   // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
@@ -238,7 +252,8 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
   const bool full_rows = c.rows == kTileRows;
   const int32_t row_boxes = (c.rows + kRowBoxM - 1) / kRowBoxM;
   const uint32_t a_bytes = (full_rows ? kTileRows : row_boxes * kRowBoxM) * kBlockK * 2;
-  const uint32_t bytes = a_bytes + kTileCols * kBlockK * 2;
+  const uint32_t bytes =
+      a_bytes + kTileCols * kBlockK * 2 + (kOp == Operands::kFP8 ? kFp8ScaleBoxBytes : 0);
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
     if (tags.tag && kb == 0) {
@@ -254,6 +269,12 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
         ptx::tma_load_2d(s.a[ps.stage] + box * kRowBoxM * kBlockK * 2, map_a_rows, kb * kKElems,
                          c.a_row + box * kRowBoxM, full);
     }
+    // All 128 rows (rows past the routed ones feed padding). NOTES: a TMA box must start on a
+    // 16-byte boundary in its innermost dimension (otherwise: illegal instruction), so each stage
+    // loads the aligned group of four K blocks holding its own.
+    if constexpr (kOp == Operands::kFP8)
+      ptx::tma_load_2d(row_scales.smem + ps.stage * kFp8ScaleBoxBytes, row_scales.map,
+                       (kb & ~3) * 4, c.a_row, full);
     if constexpr (kMajor == WeightMajor::kN) {
       // Four boxes of 64 N x 64 K, 8 KB apart (the layout smem_desc_n_major_sw128 describes).
       static_assert(kEpi == Epilogue::kStore && kOp == Operands::kBF16,
@@ -343,18 +364,15 @@ __device__ __forceinline__ void fp8_turn_pass(int wg) {
 // The FP8 mainloop of one consumer warpgroup (Operands::kFP8): per K block, each 128-column
 // half of the tile as four m64n128k32 e4m3 wgmmas into `part` (in turns with the other
 // warpgroup), then promoted into acc (the half's registers of an m64n256 accumulator) scaled by
-// the row's and the half's block scale. A block's scales are loaded one block ahead, while the
-// wgmmas of the current one run.
+// the row's and the half's block scale. The rows' scales come with the stage (Fp8RowScales); the
+// weights' are loaded one block ahead, while the wgmmas of the current one run.
 template <Epilogue kEpi, int kStages, int kStaging>
 __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, int wg, const Fp8Scales& sc,
                                              float (&acc)[kTileCols / 2]) {
   const int tid = threadIdx.x % 128, warp = tid / 32, g = tid % 32 / 4;
-  // The rows' scales bypass L1 (__ldcg): in a megakernel they were written by other SMs into a
-  // ring slot this SM may have read in an earlier round.
-  const float* a0s = sc.a + (int64_t{c.a_row} + wg * 64 + warp * 16 + g) * sc.a_row_floats;
-  const float* a1s = a0s + 8 * sc.a_row_floats;
+  const uint32_t row_scale0 = ptx::smem_addr(sc.a_smem) + (wg * 64 + warp * 16 + g) * 16;
   const int64_t expert_blocks = int64_t{c.expert} * sc.n_blocks;
   const float* b0s;
   const float* b1s;
@@ -375,10 +393,12 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
 #pragma unroll
   for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
   float part[kTileCols / 4];
-  float next_a0 = __ldcg(a0s), next_a1 = __ldcg(a1s), next_b0 = __ldg(b0s), next_b1 = __ldg(b1s);
+  float next_b0 = __ldg(b0s), next_b1 = __ldg(b1s);
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
-    const float sa0 = next_a0, sa1 = next_a1, sb0 = next_b0, sb1 = next_b1;
+    const float sb0 = next_b0, sb1 = next_b1;
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
+    const uint32_t box = row_scale0 + ps.stage * kFp8ScaleBoxBytes + (kb & 3) * 4;
+    const float sa0 = ptx::ld_shared_f32(box), sa1 = ptx::ld_shared_f32(box + 8 * 16);
     const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
     const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
 #pragma unroll
@@ -392,12 +412,9 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                    kk > 0);
       ptx::wgmma_commit_group();
       fp8_turn_pass(wg);
-      // The next block's scales. NOTES: issued after the first half's wgmmas rather than before
-      // them: measurably faster at large row counts (docs/design/fp8_forward.md).
-      if (half == 0 && kb + 1 < k_blocks) {
-        next_a0 = __ldcg(a0s + kb + 1), next_a1 = __ldcg(a1s + kb + 1);
-        next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
-      }
+      // The next block's weight scales. NOTES: issued after the first half's wgmmas rather than
+      // before them: measurably faster at large row counts (docs/design/fp8_forward.md).
+      if (half == 0 && kb + 1 < k_blocks) next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(part);
       if (half == 1 && tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
@@ -600,10 +617,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map_a_rows,
                         const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1,
-                        const __grid_constant__ CUtensorMap map_out, const GemmParams p) {
+                        const __grid_constant__ CUtensorMap map_out,
+                        const __grid_constant__ CUtensorMap map_a_scales, const GemmParams p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage<kEpi, kStages>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  // Operands::kFP8: the stages' row-scale boxes after the storage (shared_bytes counts them).
+  uint8_t* row_scale_boxes = reinterpret_cast<uint8_t*>(&s) + sizeof(s);
+  Fp8Scales fp8 = p.fp8;
+  fp8.a_smem = row_scale_boxes;
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     init_stage_barriers(s);
@@ -612,6 +634,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::prefetch_tensor_map(&map_b0);
     if constexpr (kEpi == Epilogue::kSwiGLU) ptx::prefetch_tensor_map(&map_b1);
     ptx::prefetch_tensor_map(&map_out);
+    if constexpr (kOp == Operands::kFP8) ptx::prefetch_tensor_map(&map_a_scales);
   }
   __syncthreads();
 
@@ -628,7 +651,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
         produce_tile<kEpi, kStages, kStagingBytes<kEpi>, kMajor, kOp>(
             s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts),
-            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{}, 0, p.b0_k_blocks);
+            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{}, 0, p.b0_k_blocks,
+            Fp8RowScales{&map_a_scales, row_scale_boxes});
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
@@ -637,15 +661,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts);
       consume_tile<kEpi, kStages, kStagingBytes<kEpi>, DirectStoreSink<kEpi>, kMajor,
-                   RowsMajor::kK, kOp>(s, ps, c, k_blocks, wg - 1, sink, p.fp8);
+                   RowsMajor::kK, kOp>(s, ps, c, k_blocks, wg - 1, sink, fp8);
     }
     if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }
 }
 
-template <Epilogue kEpi, int kStages>
+template <Epilogue kEpi, int kStages, Operands kOp = Operands::kBF16>
 constexpr size_t shared_bytes() {
-  return sizeof(SharedStorage<kEpi, kStages>) + 1024;  // + alignment slack of the window
+  // + the FP8 row-scale boxes, + alignment slack of the window
+  return sizeof(SharedStorage<kEpi, kStages>) +
+         (kOp == Operands::kFP8 ? kStages * kFp8ScaleBoxBytes : 0) + 1024;
 }
 
 // Host side: the TMA maps the GEMM reads and writes (false if the driver refuses one).
@@ -703,7 +729,8 @@ cudaError_t launch_grouped_gemm(const void* rows, int64_t max_rows, const CUtens
                                            static_cast<int>(smem));
       e != cudaSuccess)
     return e;
-  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_a_rows, map_b0, map_b1, map_out, p);
+  // bf16 has no row-scale map: map_a fills its unused slot.
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_a_rows, map_b0, map_b1, map_out, map_a, p);
   return cudaGetLastError();
 }
 

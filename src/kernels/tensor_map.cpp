@@ -27,7 +27,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 
 Status encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, uint64_t elem_bytes,
                          const void* base, int rank, const uint64_t* dims, const uint32_t* box,
-                         const uint64_t* strides_bytes) {
+                         const uint64_t* strides_bytes,
+                         CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   auto fn = encode_fn();
   if (!fn) return error_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled is unavailable");
   cuuint64_t global_dims[3];
@@ -42,7 +43,7 @@ Status encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, uint64_t el
   }
   const CUresult r = fn(map, type, rank, const_cast<void*>(base),
                         global_dims, strides, box_dims, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return error_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled failed (", int(r),
@@ -62,6 +63,13 @@ Status encode_u8_tensor_map(CUtensorMap* map, const void* base, int rank, const 
                             const uint32_t* box, const uint64_t* strides_bytes) {
   return encode_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, rank, dims, box,
                            strides_bytes);
+}
+
+Status encode_u8_tensor_map_unswizzled(CUtensorMap* map, const void* base, int rank,
+                                       const uint64_t* dims, const uint32_t* box,
+                                       const uint64_t* strides_bytes) {
+  return encode_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, rank, dims, box,
+                           strides_bytes, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 Status encode_f32_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,

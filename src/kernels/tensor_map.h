@@ -1,4 +1,5 @@
-// Host-side encoding of TMA tensor maps (bf16 or fp32, 128-byte swizzle) through the driver entry point,
+// Host-side encoding of TMA tensor maps (bf16, bytes or fp32; 128-byte swizzle unless named
+// otherwise) through the driver entry point,
 // so the library needs no link-time dependency on libcuda.
 #pragma once
 
@@ -19,6 +20,11 @@ Status encode_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, cons
 // The same for a tensor of bytes (e4m3; box[0] must be 128).
 Status encode_u8_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                             const uint32_t* box, const uint64_t* strides_bytes = nullptr);
+// A tensor of bytes loaded unswizzled: a box's rows land densely in shared memory, box[0] bytes
+// apart (box[0] a multiple of 16).
+Status encode_u8_tensor_map_unswizzled(CUtensorMap* map, const void* base, int rank,
+                                       const uint64_t* dims, const uint32_t* box,
+                                       const uint64_t* strides_bytes = nullptr);
 // The same for an fp32 tensor (box[0] * 4 must be 128 bytes).
 Status encode_f32_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                              const uint32_t* box, const uint64_t* strides_bytes = nullptr);

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -51,13 +52,19 @@ void run_case(const Case& c) {
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_seg, seg.size() * 8));
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_a, aq.size()));
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_w, wq.size()));
-  EPFLOW_CUDA_CHECK(cudaMalloc(&d_as, as.size() * 4));
+  // The kernel's scale rows are padded to whole float4s: the padding poisoned (NaN), never used.
+  const int64_t as_stride = (kb + 3) / 4 * 4;
+  std::vector<float> as_padded(max_rows * as_stride, NAN);
+  for (int64_t r = 0; r < max_rows; ++r)
+    std::copy_n(as.data() + r * kb, kb, as_padded.data() + r * as_stride);
+  EPFLOW_CUDA_CHECK(cudaMalloc(&d_as, as_padded.size() * 4));
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_ws, ws.size() * 4));
   EPFLOW_CUDA_CHECK(cudaMalloc(&d_out, max_rows * c.n * 2));
   EPFLOW_CUDA_CHECK(cudaMemcpy(d_seg, seg.data(), seg.size() * 8, cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemcpy(d_a, aq.data(), aq.size(), cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemcpy(d_w, wq.data(), wq.size(), cudaMemcpyHostToDevice));
-  EPFLOW_CUDA_CHECK(cudaMemcpy(d_as, as.data(), as.size() * 4, cudaMemcpyHostToDevice));
+  EPFLOW_CUDA_CHECK(
+      cudaMemcpy(d_as, as_padded.data(), as_padded.size() * 4, cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemcpy(d_ws, ws.data(), ws.size() * 4, cudaMemcpyHostToDevice));
   EPFLOW_CUDA_CHECK(cudaMemset(d_out, 0xFF, max_rows * c.n * 2));  // NaN
   kernels::Fp8GroupedGemmArgs args;
@@ -66,6 +73,7 @@ void run_case(const Case& c) {
   args.k = c.k;
   args.a = d_a;
   args.a_scales = d_as;
+  args.a_scale_stride = as_stride;
   args.w = d_w;
   args.w_scales = d_ws;
   args.out = d_out;

@@ -27,14 +27,24 @@ namespace epflow::kernels::megakernel {
 // weights w2a, w2b. Each pass's launcher encodes the weights' maps.
 struct Maps {
   CUtensorMap rows1, rows1_few, w1a, w1b, h_out, rows2, rows2_few, w2a, w2b;
+  CUtensorMap rows1_scales, rows2_scales;  // FP8: the ring rows' scales (gemm::Fp8RowScales)
 };
 
-// The FP8 forward's block scales (grouped_gemm.cuh's Fp8Scales): the rows' after their values in
-// the ring's packed rows; the weights' as given.
-__device__ __forceinline__ gemm::Fp8Scales fp8_gate_up_scales(const MegakernelArgs& a) {
+// FP8: the stages' row-scale boxes sit in the second half of consumer warpgroup 0's output
+// staging, which the FP8 SwiGLU epilogue (e4m3 h, half the bytes of bf16) leaves unused.
+static_assert(kStages * gemm::kFp8ScaleBoxBytes <= kStaging / 2 &&
+                  64 * fp8::kBlock <= kStaging / 2,
+              "the FP8 row-scale boxes must fit beside the FP8 h staging");
+__device__ __forceinline__ uint8_t* fp8_row_scale_boxes(MegaSmem& smem) {
+  return smem.gemm.out[0] + kStaging / 2;
+}
+
+// The FP8 forward's block scales (grouped_gemm.cuh's Fp8Scales): the rows' in shared memory
+// (loaded with each stage from the ring's packed rows, Maps::rows*_scales); the weights' as given.
+__device__ __forceinline__ gemm::Fp8Scales fp8_gate_up_scales(const MegakernelArgs& a,
+                                                               MegaSmem& smem) {
   gemm::Fp8Scales s;
-  s.a = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(a.ring_x) + a.hidden);
-  s.a_row_floats = x_row_bytes(a) / 4;
+  s.a_smem = fp8_row_scale_boxes(smem);
   s.b0 = a.w_gate_scales;
   s.b1 = a.w_up_scales;
   s.n_blocks = a.intermediate / fp8::kBlock;
@@ -42,11 +52,10 @@ __device__ __forceinline__ gemm::Fp8Scales fp8_gate_up_scales(const MegakernelAr
   s.power_of_two = a.fp8_pow2_scales;
   return s;
 }
-__device__ __forceinline__ gemm::Fp8Scales fp8_down_scales(const MegakernelArgs& a) {
+__device__ __forceinline__ gemm::Fp8Scales fp8_down_scales(const MegakernelArgs& a,
+                                                            MegaSmem& smem) {
   gemm::Fp8Scales s;
-  s.a = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(a.ring_h) +
-                                       a.intermediate);
-  s.a_row_floats = h_row_bytes(a) / 4;
+  s.a_smem = fp8_row_scale_boxes(smem);
   s.b0 = s.b1 = a.w_down_scales;
   s.n_blocks = a.hidden / fp8::kBlock;
   s.k_blocks = a.intermediate / fp8::kBlock;
@@ -113,11 +122,13 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         // A split K (the backward's [dg | du]) reads its first I columns' weights from w2a.
         if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<P::kGateUpEpilogue, kStages, kStaging, P::kWeights, kOp>(
-              smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b, tags, i);
+              smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b, tags, i, 0,
+              gemm::Fp8RowScales{&m.rows1_scales, fp8_row_scale_boxes(smem)});
         else
           gemm::produce_tile<Epilogue::kStore, kStages, kStaging, P::kWeights, kOp>(
               smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b, tags, i,
-              P::kDownKParts > 1 ? a.intermediate / gemm::kBlockK : 0);
+              P::kDownKParts > 1 ? a.intermediate / gemm::kBlockK : 0,
+              gemm::Fp8RowScales{&m.rows2_scales, fp8_row_scale_boxes(smem)});
         record_progress(a, kProducerLoaded, i);
         trace_task(a, traced + static_cast<int32_t>(n), i, t, taken, ready);
       }
@@ -154,7 +165,8 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     RingSink ring{&smem, &a};  // the forward's gate/up tiles, and the store threads' stop
     PushCombineSink push{&a};
     DhSink dh{&a};
-    const gemm::Fp8Scales gate_up_scales = fp8_gate_up_scales(a), down_scales = fp8_down_scales(a);
+    const gemm::Fp8Scales gate_up_scales = fp8_gate_up_scales(a, smem),
+                          down_scales = fp8_down_scales(a, smem);
     if constexpr (kOp == gemm::Operands::kFP8) gemm::fp8_turns_begin(wg - 1);
     for (;;) {
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage

@@ -70,6 +70,10 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
                                    &maps.rows2_few, &maps.w2a, &maps.w2b})
       ptx::prefetch_tensor_map(map);
     if constexpr (!P::kBackward) ptx::prefetch_tensor_map(&maps.h_out);
+    if constexpr (P::kOperands == gemm::Operands::kFP8) {
+      ptx::prefetch_tensor_map(&maps.rows1_scales);
+      ptx::prefetch_tensor_map(&maps.rows2_scales);
+    }
   }
   __syncthreads();
   compute_role<P>(maps, a, s, smem, traced);
@@ -84,14 +88,21 @@ inline bool valid_args(const MegakernelArgs& a, int32_t sm_count) {
 
 // FP8 packed rows [rows, cols values + scales] as a GEMM's row operand: the values, in whole
 // 128-row boxes and 16-row boxes (grouped_gemm.cuh's row maps), one K block of 128 wide.
+// FP8 packed rows [n_rows, packed_row_bytes(cols)]: the e4m3 values in 128-column boxes, and
+// the scales after them as bytes, four K blocks' of a tile's rows per box (gemm::Fp8RowScales).
 inline bool encode_fp8_row_maps(const void* rows, int64_t cols, int64_t n_rows, CUtensorMap* map,
-                                CUtensorMap* map_few_rows) {
+                                CUtensorMap* map_few_rows, CUtensorMap* map_scales) {
   const uint64_t dims[2] = {uint64_t(cols), uint64_t(n_rows)};
   const uint64_t stride[1] = {uint64_t(fp8::packed_row_bytes(cols))};
   const uint32_t box[2] = {fp8::kBlock, kTileRows};
   const uint32_t few_box[2] = {fp8::kBlock, gemm::kRowBoxM};
+  const uint64_t scale_dims[2] = {uint64_t(cols / fp8::kBlock * 4), uint64_t(n_rows)};
+  const uint32_t scale_box[2] = {16, kTileRows};
   return encode_u8_tensor_map(map, rows, 2, dims, box, stride).ok() &&
-         encode_u8_tensor_map(map_few_rows, rows, 2, dims, few_box, stride).ok();
+         encode_u8_tensor_map(map_few_rows, rows, 2, dims, few_box, stride).ok() &&
+         encode_u8_tensor_map_unswizzled(map_scales, static_cast<const uint8_t*>(rows) + cols, 2,
+                                         scale_dims, scale_box, stride)
+             .ok();
 }
 
 // The ring's rows in both GEMMs: ring_x (K = H) and ring_h (K = kDownKParts * I).
@@ -99,8 +110,10 @@ template <class P>
 bool encode_ring_maps(const MegakernelArgs& a, Maps* m) {
   const int64_t ring_rows = int64_t{a.ring_tiles} * kTileRows;
   if constexpr (P::kOperands == gemm::Operands::kFP8)
-    return encode_fp8_row_maps(a.ring_x, a.hidden, ring_rows, &m->rows1, &m->rows1_few) &&
-           encode_fp8_row_maps(a.ring_h, a.intermediate, ring_rows, &m->rows2, &m->rows2_few);
+    return encode_fp8_row_maps(a.ring_x, a.hidden, ring_rows, &m->rows1, &m->rows1_few,
+                               &m->rows1_scales) &&
+           encode_fp8_row_maps(a.ring_h, a.intermediate, ring_rows, &m->rows2, &m->rows2_few,
+                               &m->rows2_scales);
   return gemm::encode_row_operand_maps(a.ring_x, a.hidden, ring_rows, &m->rows1, &m->rows1_few) &&
          gemm::encode_row_operand_maps(a.ring_h, P::kDownKParts * int64_t{a.intermediate},
                                        ring_rows, &m->rows2, &m->rows2_few);

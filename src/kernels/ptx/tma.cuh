@@ -13,6 +13,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// A float a TMA load wrote into shared memory; volatile with a memory clobber, so it stays after
+// the mbarrier wait that made the data visible.
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
   cuda::ptx::mbarrier_init(bar, arrivals);
 }
