@@ -3,10 +3,11 @@
 // 128 x 128 for weights. value ≈ e4m3 * scale. Portable: the quantization kernels and the CPU
 // reference run this very code, so they agree bit for bit.
 //
-// A block's scale is amax / 448 (or, with power-of-two scales, the smallest 2^e >= amax / 448,
-// what a UE8M0 byte can hold); its values are round-to-nearest-even of v / scale, saturated to
-// ±448. A block of zeros has scale 1 and zero values. A NaN or infinity in a block makes that
-// block's scale and values NaN (it stays in its block: a 1 x 128 block is one token's).
+// A block's scale is amax / 448, at least 2^-126 (or, with power-of-two scales, the smallest
+// 2^e >= that, what a UE8M0 byte can hold); its values are round-to-nearest-even of
+// v * (1 / scale), saturated to ±448. A block of zeros has scale 1 and zero values. A NaN or
+// infinity in a block makes that block's scale and values NaN (it stays in its block: a 1 x 128
+// block is one token's).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -20,12 +21,15 @@ namespace epflow::fp8 {
 
 inline constexpr int kBlock = 128;         // block edge, elements
 inline constexpr float kE4m3Max = 448.0f;  // largest finite e4m3 magnitude
+inline constexpr float kMinScale = 0x1p-126f;  // smallest normal float: the least block scale
 
 // The scale of a block whose largest magnitude is amax.
 EPFLOW_HD float block_scale(float amax, bool power_of_two) {
   if (!(amax == amax) || amax == INFINITY) return NAN;  // NaN or infinity: the block is lost
   if (amax == 0.0f) return 1.0f;
-  const float s = amax / kE4m3Max;
+  // NOTES: at least the smallest normal float, so 1 / scale stays finite (a block of tiny values
+  // would otherwise get an infinite reciprocal, and its zeros 0 * inf = NaN).
+  const float s = fmaxf(amax / kE4m3Max, kMinScale);
   if (!power_of_two) return s;
   // The smallest power of two >= s: exact (frexp), no rounding of a logarithm.
   int e = 0;
@@ -33,9 +37,13 @@ EPFLOW_HD float block_scale(float amax, bool power_of_two) {
   return ldexpf(1.0f, m == 0.5f ? e - 1 : e);
 }
 
-// v / scale as e4m3 (round to nearest even, saturated to ±448; NaN stays NaN).
+// v * (1 / scale) as e4m3 (round to nearest even, saturated to ±448; NaN stays NaN).
+// NOTES: a product with the block's reciprocal, not a quotient: a correctly rounded division is a
+// long instruction sequence per element, which made the quantization kernels compute-bound;
+// inlined, the reciprocal of a block's scale is computed once per block (a NaN scale still gives
+// NaN values).
 EPFLOW_HD __nv_fp8_storage_t quantize(float v, float scale) {
-  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
+  return __nv_cvt_float_to_fp8(v * (1.0f / scale), __NV_SATFINITE, __NV_E4M3);
 }
 
 // max(|a|, |b|) of two magnitudes where a NaN wins (fmaxf would drop it): a block's amax.

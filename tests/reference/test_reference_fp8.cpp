@@ -25,7 +25,7 @@ TEST(Fp8Blocks, E4m3RoundsToNearestEvenAndSaturates) {
   EXPECT_EQ(fp8::quantize(-1e6f, 1.0f), 0xFE);
   EXPECT_EQ(fp8::quantize(1.0625f, 1.0f), 0x38);  // halfway between 1 and 1.125: to even
   EXPECT_EQ(fp8::quantize(1.1875f, 1.0f), 0x3A);  // halfway between 1.125 and 1.25: to even
-  EXPECT_EQ(fp8::quantize(2.0f, 2.0f), 0x38);     // v / scale
+  EXPECT_EQ(fp8::quantize(2.0f, 2.0f), 0x38);     // v * (1 / scale)
   // Every finite byte survives a round trip through its float.
   for (int b = 0; b < 256; ++b) {
     if ((b & 0x7F) == 0x7F) {
@@ -47,6 +47,15 @@ TEST(Fp8Blocks, BlockScales) {
   EXPECT_EQ(fp8::block_scale(448.0f * 4, true), 4.0f);  // exact powers stay
   EXPECT_EQ(fp8::block_scale(448.0f * 0.3f, true), 0.5f);
   EXPECT_EQ(fp8::block_scale(448.0f * std::ldexp(1.0f, -20), true), std::ldexp(1.0f, -20));
+  // Tiny blocks: the scale stops at the smallest normal float, so its reciprocal stays finite and
+  // zeros stay zeros.
+  const float tiny = std::numeric_limits<float>::denorm_min() * 100;
+  for (bool pow2 : {false, true}) {
+    const float s = fp8::block_scale(tiny, pow2);
+    EXPECT_EQ(s, std::numeric_limits<float>::min()) << pow2;
+    EXPECT_EQ(fp8::quantize(0.0f, s), 0x00) << pow2;
+    EXPECT_EQ(fp8::quantize(-tiny, s), 0x80) << pow2;  // rounds to -0
+  }
   EXPECT_TRUE(std::isnan(fp8::block_scale(INFINITY, false)));
   EXPECT_TRUE(std::isnan(fp8::block_scale(NAN, true)));
 }
