@@ -40,7 +40,8 @@ int64_t fp8_expert_weights_bytes(const LayerConfig& config);
 // Quantizes this rank's bf16 expert weights 128 x 128 into `buffer` (device memory of at least
 // fp8_expert_weights_bytes bytes, 256-byte aligned) and points *out at them; stream-ordered, no
 // host sync (training keeps bf16 or fp32 master weights and re-quantizes after each optimizer
-// step). Scales are amax / 448 per block, or the next power of two with power_of_two_scales.
+// step). Scales are amax / 448 per block (at least 2^-126), or the next power of two with
+// power_of_two_scales; values are e4m3(v * (1 / scale)), and q * scale reads them back.
 Status quantize_expert_weights(const LayerConfig& config, const ExpertWeights& bf16_weights,
                                bool power_of_two_scales, void* buffer, int64_t buffer_bytes,
                                Fp8ExpertWeights* out, cudaStream_t stream);
