@@ -102,10 +102,10 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     expert_wgrad_kernel(const __grid_constant__ CUtensorMap map_lhs,
                         const __grid_constant__ CUtensorMap map_rhs,
                         const __grid_constant__ CUtensorMap map_dw, const WgradParams p) {
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  auto& s = gemm::dynamic_smem<Smem>();
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+    gemm::check_dynamic_smem_alignment();
     gemm::init_stage_barriers(s);
     ptx::prefetch_tensor_map(&map_lhs);
     ptx::prefetch_tensor_map(&map_rhs);
@@ -198,7 +198,7 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
   p.n_tiles = static_cast<int32_t>((a.n + kTileCols - 1) / kTileCols);
   const int64_t tiles = int64_t{seg.experts} * p.m_tiles * p.n_tiles;
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
-  constexpr size_t smem = sizeof(Smem) + 1024;  // + alignment slack
+  constexpr size_t smem = sizeof(Smem);
   auto* kernel = a.fp32_out ? expert_wgrad_kernel<WgradSink<float>>
                             : expert_wgrad_kernel<WgradSink<__nv_bfloat16>>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

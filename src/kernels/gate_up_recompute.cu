@@ -58,10 +58,10 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
                              const __grid_constant__ CUtensorMap map_gate,
                              const __grid_constant__ CUtensorMap map_up,
                              const __grid_constant__ CUtensorMap map_out, const RecomputeParams p) {
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  auto& s = gemm::dynamic_smem<Smem>();
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+    gemm::check_dynamic_smem_alignment();
     gemm::init_stage_barriers(s);
     for (const CUtensorMap* m : {&map_a, &map_a_rows, &map_gate, &map_up, &map_out})
       ptx::prefetch_tensor_map(m);
@@ -127,7 +127,7 @@ cudaError_t launch_gate_up_recompute(const GateUpRecomputeArgs& a, int32_t sm_co
   p.first_tile = static_cast<int32_t>(a.first_row / kTileRows);
   const int64_t max_tiles = out_rows / kTileRows * 2 * p.half_tiles;
   const int grid = static_cast<int>(max_tiles < sm_count ? max_tiles : sm_count);
-  constexpr size_t smem = sizeof(Smem) + 1024;  // + alignment slack
+  constexpr size_t smem = sizeof(Smem);
   if (cudaError_t e = cudaFuncSetAttribute(gate_up_recompute_kernel,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));

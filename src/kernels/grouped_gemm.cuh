@@ -600,6 +600,23 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   }
 }
 
+// The CTA's dynamic shared memory as a T (every GEMM kernel's and the megakernel's storage).
+// NOTES: the declaration's __align__(1024) puts it on the 1024-byte boundary that 128-byte
+// swizzled TMA boxes need. Rounding the address up in generic space instead kept ptxas from
+// folding the generic-to-shared conversions: it recomputed the shared window and the rounding
+// for every barrier in the K loops (and spilled more). check_dynamic_smem_alignment() traps if
+// the boundary ever fails to hold.
+template <class T>
+__device__ __forceinline__ T& dynamic_smem() {
+  extern __shared__ __align__(1024) uint8_t dynamic_smem_bytes[];
+  return *reinterpret_cast<T*>(dynamic_smem_bytes);
+}
+// One thread, once per CTA.
+__device__ __forceinline__ void check_dynamic_smem_alignment() {
+  extern __shared__ __align__(1024) uint8_t dynamic_smem_bytes[];
+  if (ptx::smem_addr(dynamic_smem_bytes) % 1024 != 0) __trap();
+}
+
 // Thread 0 of a GEMM CTA: the stage ring's barriers, before anyone uses them.
 template <int kStages, int kStaging>
 __device__ __forceinline__ void init_stage_barriers(GemmSmem<kStages, kStaging>& s) {
@@ -619,15 +636,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map_b1,
                         const __grid_constant__ CUtensorMap map_out,
                         const __grid_constant__ CUtensorMap map_a_scales, const GemmParams p) {
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<SharedStorage<kEpi, kStages>*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  auto& s = dynamic_smem<SharedStorage<kEpi, kStages>>();
   // Operands::kFP8: the stages' row-scale boxes after the storage (shared_bytes counts them).
   uint8_t* row_scale_boxes = reinterpret_cast<uint8_t*>(&s) + sizeof(s);
   Fp8Scales fp8 = p.fp8;
   fp8.a_smem = row_scale_boxes;
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+    check_dynamic_smem_alignment();
     init_stage_barriers(s);
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_a_rows);
@@ -669,9 +685,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <Epilogue kEpi, int kStages, Operands kOp = Operands::kBF16>
 constexpr size_t shared_bytes() {
-  // + the FP8 row-scale boxes, + alignment slack of the window
+  // + the FP8 row-scale boxes
   return sizeof(SharedStorage<kEpi, kStages>) +
-         (kOp == Operands::kFP8 ? kStages * kFp8ScaleBoxBytes : 0) + 1024;
+         (kOp == Operands::kFP8 ? kStages * kFp8ScaleBoxBytes : 0);
 }
 
 // Host side: the TMA maps the GEMM reads and writes (false if the driver refuses one).

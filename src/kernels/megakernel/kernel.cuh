@@ -32,9 +32,8 @@ namespace epflow::kernels::megakernel {
 template <class P>
 __global__ void __launch_bounds__(gemm::kThreads, 1)
     moe_megakernel(const __grid_constant__ Maps maps, const __grid_constant__ MegakernelArgs a) {
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  auto& smem =
-      *reinterpret_cast<MegaSmem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  auto& smem = gemm::dynamic_smem<MegaSmem>();
+  if (threadIdx.x == 0) gemm::check_dynamic_smem_alignment();
   const mega::TaskShape s = task_shape<P>(a);
   // The first pull_warps warps dispatch (the head, then a communication CTA's tiles); the CTA's
   // other warps wait for them: dispatch uses the stage memory. NOTES: a communication CTA whose

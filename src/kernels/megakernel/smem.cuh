@@ -44,7 +44,7 @@ struct alignas(1024) MegaSmem {
   int64_t head_claimed;              // the head dispatch part thread 0 claimed, for its CTA
 };
 
-inline constexpr size_t kSmemBytes = sizeof(MegaSmem) + 1024;  // + alignment slack
+inline constexpr size_t kSmemBytes = sizeof(MegaSmem);
 static_assert(kSmemBytes <= 227 * 1024, "beyond the opt-in shared memory of an SM90 CTA");
 
 }  // namespace epflow::kernels::megakernel
