@@ -373,13 +373,20 @@ Status write_trace(const BenchHooks& hooks, int32_t comm_ctas, int rank, const s
   uint64_t t0 = UINT64_MAX;
   for (const auto& r : recs) t0 = std::min(t0, r.taken_ns);
   std::ofstream f(path);
-  f << "rank,cta,partition,kind,task,taken_us,ready_us,done_us\n";
+  f << "rank,cta,partition,kind,task,taken_us,ready_us,done_us,consumer_wait_us,"
+       "consumer_begin_us,consumer_end_us\n";
   static const char* const kKinds[2][3] = {{"dispatch", "gate_up", "down"},
                                            {"dispatch", "dhp", "dx"}};
+  // The consumers' times: empty where not recorded (dispatch tasks).
+  auto consumer_us = [t0](uint64_t ns) {
+    return ns == UINT64_MAX ? std::string() : std::to_string((ns - t0) * 1e-3);
+  };
   for (const auto& r : recs)
     f << rank << ',' << r.cta << ',' << (r.cta < comm_ctas ? "comm" : "compute") << ','
       << kKinds[backward][r.kind] << ',' << r.task << ',' << (r.taken_ns - t0) * 1e-3 << ','
-      << (r.ready_ns - t0) * 1e-3 << ',' << (r.done_ns - t0) * 1e-3 << '\n';
+      << (r.ready_ns - t0) * 1e-3 << ',' << (r.done_ns - t0) * 1e-3 << ','
+      << consumer_us(r.consumer_wait_ns) << ',' << consumer_us(r.consumer_begin_ns) << ','
+      << consumer_us(r.consumer_end_ns) << '\n';
   f.close();
   return f ? Status::ok_status()
            : error_status(StatusCode::kInternal, "writing the trace ", path, " failed");

@@ -3,8 +3,9 @@
 rank<r>.csv): per rank, partition and task kind, how many tasks ran, how long they waited for
 their counters (taken -> ready) and how long they ran (ready -> done; for compute tasks the
 producer's view: all loads issued), and how much of the kernel's span each partition spent
-waiting. With --png, draws a timeline: a row per CTA, grey while a task waits, coloured while
-it runs.
+waiting; then the consumers' view of the GEMM tiles (first stage to epilogue handed off, and
+the wait for a tile's first stage). With --png, draws a timeline: a row per CTA, grey while a
+task waits, coloured while it runs.
 
 Usage: bench/trace_summary.py TRACE.csv [TRACE.csv ...] [--png timeline.png]"""
 from __future__ import annotations
@@ -29,6 +30,9 @@ def load(paths: list[Path]) -> list[dict]:
                     r[k] = int(r[k])
                 for k in ("taken_us", "ready_us", "done_us"):
                     r[k] = float(r[k])
+                # GEMM tasks: the first consumer warpgroup's times (empty for dispatch tasks).
+                for k in ("consumer_wait_us", "consumer_begin_us", "consumer_end_us"):
+                    r[k] = float(r[k]) if r.get(k) else None
                 r["file"] = p.name
                 rows.append(r)
     return rows
@@ -79,6 +83,36 @@ def summarise(rows: list[dict]) -> None:
         print(f"  compute CTAs: {n}; mean per CTA: head {sum(head) / n:.0f} µs, waits between "
               f"tasks {sum(stall) / n:.0f} µs, tail {sum(tail) / n:.0f} µs "
               f"(of a {end - start:.0f} µs span)")
+        consumers(rs, end - start)
+
+
+def consumers(rs: list[dict], span: float) -> None:
+    """The consumers' view of one trace's GEMM tiles: per kind, the time from a tile's first stage
+    to its epilogue handed off (its mainloop and epilogue), and the time the consumers waited for
+    that first stage (starved: no loaded stage); per CTA, both summed against the span."""
+    tiles = [r for r in rs if r["consumer_begin_us"] is not None]
+    if not tiles:
+        return
+    by_kind = defaultdict(list)
+    for r in tiles:
+        by_kind[r["kind"]].append(r)
+    for kind, ts in sorted(by_kind.items()):
+        busy = sorted(r["consumer_end_us"] - r["consumer_begin_us"] for r in ts)
+        starved = sorted(r["consumer_begin_us"] - r["consumer_wait_us"] for r in ts)
+        p90 = int(0.9 * (len(ts) - 1))
+        print(f"  consumers, {kind}: {len(ts)} tiles, first stage to epilogue handed off "
+              f"{statistics.median(busy):.1f} µs (median; p90 {busy[p90]:.1f}), waiting for "
+              f"the first stage {statistics.median(starved):.1f} µs (median; p90 "
+              f"{starved[p90]:.1f})")
+    per_cta = defaultdict(lambda: [0.0, 0.0])
+    for r in tiles:
+        per_cta[r["cta"]][0] += r["consumer_end_us"] - r["consumer_begin_us"]
+        per_cta[r["cta"]][1] += r["consumer_begin_us"] - r["consumer_wait_us"]
+    n = len(per_cta)
+    busy = sum(v[0] for v in per_cta.values()) / n
+    starved = sum(v[1] for v in per_cta.values()) / n
+    print(f"  consumers, mean per CTA over {n} CTAs: in tiles {busy:.0f} µs, waiting for a tile's "
+          f"first stage {starved:.0f} µs (of a {span:.0f} µs span)")
 
 
 def timeline(rows: list[dict], out: Path) -> None:

@@ -65,7 +65,10 @@ struct MegakernelTraceRecord {
   int32_t task;  // index in its partition's list; -1: unused record
   int16_t cta;
   int16_t kind;  // mega::TaskKind
-  uint64_t taken_ns, ready_ns, done_ns;
+  uint64_t taken_ns, ready_ns, done_ns;  // the producer's view: claimed, waits passed, loads issued
+  // GEMM tasks, the first consumer warpgroup's view: it starts waiting for the tile's first stage,
+  // has it, has handed its epilogue off (all bits set: not recorded, as for dispatch tasks).
+  uint64_t consumer_wait_ns, consumer_begin_ns, consumer_end_ns;
 };
 inline constexpr int kTraceRecordsPerCta = 2048;  // later tasks of a CTA are not recorded
 

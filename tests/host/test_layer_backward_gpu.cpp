@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/megakernel_tasks.h"
 #include "common/status_util.h"
 #include "gpu_test_util.h"
 #include "host/layer_core.h"
@@ -1068,6 +1069,15 @@ TEST(LayerBackwardGpu, HooksSeeEveryStageAndTheMegakernelTasks) {
     EPFLOW_TRY_CUDA(cudaMemcpy(records.data(), hooks.trace, hooks.bytes, cudaMemcpyDeviceToHost));
     if (std::none_of(records.begin(), records.end(), [](const auto& r) { return r.task >= 0; }))
       return Status(StatusCode::kInternal, "the forward megakernel recorded no task");
+    // Every GEMM task also has its consumers' times, in order.
+    for (const auto& r : records) {
+      if (r.task < 0 || r.kind == static_cast<int16_t>(mega::TaskKind::kDispatch)) continue;
+      if (r.consumer_wait_ns == UINT64_MAX || r.consumer_end_ns == UINT64_MAX ||
+          r.consumer_wait_ns > r.consumer_begin_ns || r.consumer_begin_ns > r.consumer_end_ns)
+        return error_status(StatusCode::kInternal, "GEMM task ", r.task, " of CTA ", r.cta,
+                            " has no ordered consumer times (wait ", r.consumer_wait_ns,
+                            ", begin ", r.consumer_begin_ns, ", end ", r.consumer_end_ns, ")");
+    }
     hooks.boundaries = 0;
     if (Status e = layer->backward(call.backward, saved, nullptr, &hooks); !e.ok()) return e;
     if (Status e = expect("backward", hooks.boundaries, layer->backward_stage_names().size());

@@ -168,8 +168,13 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     const gemm::Fp8Scales gate_up_scales = fp8_gate_up_scales(a, smem),
                           down_scales = fp8_down_scales(a, smem);
     if constexpr (kOp == gemm::Operands::kFP8) gemm::fp8_turns_begin(wg - 1);
-    for (;;) {
+    // The trace's consumer times: thread 0 of the first consumer warpgroup, tasks in the
+    // producer's order (its record n is the producer's).
+    const bool tracer = a.trace && wg == 1 && tid == 0;
+    for (int32_t n = traced;; ++n) {
+      const uint64_t waited = tracer ? ptx::global_timer_ns() : 0;
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
+      const uint64_t began = tracer ? ptx::global_timer_ns() : 0;
       const int64_t i = stage_tag[ps.stage].task;
       const volatile gemm::TileCoord& tag = stage_tag[ps.stage].tile;
       const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
@@ -199,6 +204,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
                                                      down_scales);
       }
       if (tid == 0) record_progress(a, kConsumerDone + wg - 1, i);
+      if (tracer) trace_consumer(a, n, waited, began);
     }
     // Stop this warpgroup's store thread (through its staging handshake, phases kept).
     ring.acquire(wg - 1, tid);
