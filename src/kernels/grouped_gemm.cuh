@@ -179,6 +179,13 @@ __device__ __forceinline__ uint4 quad_gather_block(const uint32_t (&pairs)[4], i
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// SwiGLU's sigmoid, shared by the forward's epilogues and the backward's recompute (so both
+// round h alike). NOTES: __fdividef (an approximate reciprocal) rather than '/': the correctly
+// rounded division costs a reciprocal, its correction and a slow-path check per element while
+// the epilogue keeps the tensor cores idle; it differs by a few ulp (within the CPU reference's
+// tolerances) and gives 0 where 1 + exp(-g) overflows, as the exact value rounds to anyway.
+__device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+
 __device__ __forceinline__ uint32_t bf16_pair(float v0, float v1) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -549,7 +556,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float gate = acc[4 * j + i], up = acc[kUp + 4 * j + i];
-          acc[4 * j + i] = gate / (1.0f + __expf(-gate)) * up;
+          acc[4 * j + i] = gate * sigmoid(gate) * up;
           amax[i / 2] = fp8::amax_nan(amax[i / 2], fabsf(acc[4 * j + i]));
         }
       float scale[2];
@@ -579,7 +586,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
       if constexpr (requires { sink.keep_gate_up(acc, c, wg, tid); })
         sink.keep_gate_up(acc, c, wg, tid);
       constexpr int kUp = kTileCols / 2 / 8 * 4;  // register offset of the up half
-      auto swiglu = [](float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; };
+      auto swiglu = [](float gate, float up) { return gate * sigmoid(gate) * up; };
 #pragma unroll
       for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
         const float* r = acc + 4 * j;

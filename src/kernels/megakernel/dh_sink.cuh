@@ -84,7 +84,7 @@ struct DhSink {
       const float2 u = __bfloat1622float2(
           *reinterpret_cast<const __nv_bfloat162*>(gu[half] + a->intermediate + col));
       auto one = [&](float gv, float uv, float dhp, float* whv, float* dgv, float* duv) {
-        const float sig = 1.0f / (1.0f + __expf(-gv));
+        const float sig = gemm::sigmoid(gv);
         const float silu = gv * sig;
         const float h = __bfloat162float(__float2bfloat16(silu * uv));
         dot[half] = fmaf(dhp, h, dot[half]);
