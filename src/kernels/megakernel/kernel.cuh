@@ -53,6 +53,8 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    // The compute partition's trace records follow the dispatch's, in every thread that writes one.
+    smem.dispatch_records = traced;
     for (int i = 0; i < kStages; ++i) {
       ptx::mbarrier_init(&smem.gemm.full[i], 1);
       ptx::mbarrier_init(&smem.gemm.empty[i], 2);  // one arrival per consumer warpgroup
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     }
   }
   __syncthreads();
-  compute_role<P>(maps, a, s, smem, traced);
+  compute_role<P>(maps, a, s, smem, smem.dispatch_records);
 }
 
 // The argument checks both passes share.

@@ -42,6 +42,7 @@ struct alignas(1024) MegaSmem {
   uint64_t next_taken, next_ready;
   uint64_t pull_full[kMaxPullRows];  // dispatch row buffer i holds its row
   int64_t head_claimed;              // the head dispatch part thread 0 claimed, for its CTA
+  int32_t dispatch_records;          // trace records the CTA's dispatch wrote (thread 0's count)
 };
 
 inline constexpr size_t kSmemBytes = sizeof(MegaSmem);
