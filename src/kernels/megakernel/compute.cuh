@@ -180,6 +180,8 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
       const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
       ptx::mbarrier_arrive(&smem.tag_read[ps.stage]);
       if (i < 0) break;
+      // Written now: nothing of the trace stays live in registers across the tile.
+      if (tracer) trace_consumer_begin(a, n, waited, began);
       const Task t = mega::compute_task(s, i);
       uint32_t* counter =
           counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
@@ -204,7 +206,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
                                                      down_scales);
       }
       if (tid == 0) record_progress(a, kConsumerDone + wg - 1, i);
-      if (tracer) trace_consumer(a, n, waited, began);
+      if (tracer) trace_consumer_end(a, n);
     }
     // Stop this warpgroup's store thread (through its staging handshake, phases kept).
     ring.acquire(wg - 1, tid);

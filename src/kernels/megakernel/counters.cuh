@@ -124,14 +124,18 @@ __device__ __forceinline__ void wait_for_task(const MegakernelArgs& a, const meg
 }
 
 // The consumers' times of this CTA's n-th traced task (one thread of the first consumer
-// warpgroup; trace_task fills the rest of the record).
-__device__ __forceinline__ void trace_consumer(const MegakernelArgs& a, int32_t n, uint64_t wait,
-                                               uint64_t begin) {
+// warpgroup; trace_task fills the rest of the record): when it started waiting for the tile's
+// first stage and had it, then when it handed its epilogue off.
+__device__ __forceinline__ void trace_consumer_begin(const MegakernelArgs& a, int32_t n,
+                                                     uint64_t wait, uint64_t begin) {
   if (!a.trace || n >= kTraceRecordsPerCta) return;
   MegakernelTraceRecord& r = a.trace[int64_t{blockIdx.x} * kTraceRecordsPerCta + n];
   r.consumer_wait_ns = wait;
   r.consumer_begin_ns = begin;
-  r.consumer_end_ns = ptx::global_timer_ns();
+}
+__device__ __forceinline__ void trace_consumer_end(const MegakernelArgs& a, int32_t n) {
+  if (!a.trace || n >= kTraceRecordsPerCta) return;
+  a.trace[int64_t{blockIdx.x} * kTraceRecordsPerCta + n].consumer_end_ns = ptx::global_timer_ns();
 }
 
 // Records task i of this CTA's n-th traced task (one thread per CTA calls it).
