@@ -30,13 +30,8 @@ struct Maps {
   CUtensorMap rows1_scales, rows2_scales;  // FP8: the ring rows' scales (gemm::Fp8RowScales)
 };
 
-// FP8: the stages' row-scale boxes sit in the second half of consumer warpgroup 0's output
-// staging, which the FP8 SwiGLU epilogue (e4m3 h, half the bytes of bf16) leaves unused.
-static_assert(kStages * gemm::kFp8ScaleBoxBytes <= kStaging / 2 &&
-                  64 * fp8::kBlock <= kStaging / 2,
-              "the FP8 row-scale boxes must fit beside the FP8 h staging");
 __device__ __forceinline__ uint8_t* fp8_row_scale_boxes(MegaSmem& smem) {
-  return smem.gemm.out[0] + kStaging / 2;
+  return smem.fp8_row_scales[0];
 }
 
 // The FP8 forward's block scales (grouped_gemm.cuh's Fp8Scales): the rows' in shared memory
@@ -63,8 +58,9 @@ __device__ __forceinline__ gemm::Fp8Scales fp8_down_scales(const MegakernelArgs&
 }
 
 // Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
-// warpgroups); two threads of the producer warpgroup store the consumers' gate/up output tiles
-// and signal them, a third one schedules. NOTES: compute tasks are claimed in list order from one
+// warpgroups); two warps of the producer warpgroup store the consumers' staged output tiles
+// (gate/up: h into the ring, then the tile's signal; down: rows into their combine slots), a
+// third thread schedules. NOTES: compute tasks are claimed in list order from one
 // counter (dynamic, not round-robin), so tasks next to each other in the list (the row tiles
 // sharing a weight tile) start together on different SMs and share that weight tile through L2;
 // with a static split, CTAs drift apart (gate/up and down tiles differ in length, waits differ)
@@ -137,8 +133,9 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
       gemm::wait_tag_read(tags, ps);
       stage_tag[ps.stage].task = -1;
       ptx::mbarrier_arrive(&smem.gemm.full[ps.stage]);
-    } else if (threadIdx.x == 32 || threadIdx.x == 64) {
-      const int w = threadIdx.x / 32 - 1;  // the consumer warpgroup this thread stores for
+    } else if (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2) {
+      const int w = threadIdx.x / 32 - 1;  // the consumer warpgroup this warp stores for
+      const bool lane0 = threadIdx.x % 32 == 0;
       volatile gemm::StageTag* staged = smem.staged;
       for (uint32_t uses = 0;; ++uses) {
         ptx::mbarrier_wait(&smem.staging_full[w], uses & 1);
@@ -148,22 +145,34 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         // The consumers' tile (the scheduler looked it up once): no global loads before the stores.
         const volatile gemm::TileCoord& tag = staged[w].tile;
         const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
-        // Only RingSink stages tiles: the forward's h.
-        gemm::store_staging<Epilogue::kSwiGLU, kOp>(&m.h_out, smem.gemm.out[w], c, w);
-        ptx::tma_store_wait_read();
-        ptx::mbarrier_arrive(&smem.staging_empty[w]);
-        ptx::tma_store_wait_all();
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-        ptx::signal_counter(
-            counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind)));
-        record_progress(a, kStoreSignalled + w, i);
+        if (t.kind != TaskKind::kGateUp) {
+          // Down kind: the rows to their combine slots (the consumers signalled the tile).
+          push_staged_rows(a, smem.gemm.out[w], c, w);
+          __syncwarp();
+          if (lane0) ptx::mbarrier_arrive(&smem.staging_empty[w]);
+          continue;
+        }
+        // Gate/up kind (the forward's h, RingSink): into the ring, then the tile's signal.
+        if (lane0) {
+          gemm::store_staging<Epilogue::kSwiGLU, kOp>(&m.h_out, smem.gemm.out[w], c, w);
+          ptx::tma_store_wait_read();
+          ptx::mbarrier_arrive(&smem.staging_empty[w]);
+          ptx::tma_store_wait_all();
+          cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+          ptx::signal_counter(
+              counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind)));
+          record_progress(a, kStoreSignalled + w, i);
+        }
+        __syncwarp();
       }
+      ptx::tma_store_wait_all();  // the combine rows' copies are complete before the CTA exits
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
     const int tid = threadIdx.x % 128;
-    RingSink ring{&smem, &a};  // the forward's gate/up tiles, and the store threads' stop
-    PushCombineSink push{&a};
+    StagingHandshake staging{&smem};  // both sinks', and the store warps' stop
+    RingSink ring{&staging, &a};
+    PushCombineSink push{&staging};
     DhSink dh{&a};
     const gemm::Fp8Scales gate_up_scales = fp8_gate_up_scales(a, smem),
                           down_scales = fp8_down_scales(a, smem);
@@ -201,6 +210,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         }
       } else {
         push.counter = counter;
+        push.task = i;
         gemm::consume_tile<Epilogue::kStore, kStages, kStaging, PushCombineSink, P::kWeights,
                            gemm::RowsMajor::kK, kOp>(smem.gemm, ps, c, k_down, wg - 1, push,
                                                      down_scales);
@@ -208,12 +218,9 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
       if (tid == 0) record_progress(a, kConsumerDone + wg - 1, i);
       if (tracer) trace_consumer_end(a, n);
     }
-    // Stop this warpgroup's store thread (through its staging handshake, phases kept).
-    ring.acquire(wg - 1, tid);
-    if (tid == 0) {
-      smem.staged[wg - 1].task = -1;
-      ptx::mbarrier_arrive(&smem.staging_full[wg - 1]);
-    }
+    // Stop this warpgroup's store warp (through its staging handshake, phases kept).
+    staging.acquire(wg - 1);
+    if (tid == 0) staging.publish(wg - 1, -1, gemm::TileCoord{});
   }
 }
 

@@ -1,5 +1,5 @@
-// The down-kind epilogue sink of both passes (grouped_gemm.cuh's direct sink interface): each
-// output row pushed from the accumulators into its owner's (token, k) slot, y in the forward and
+// The down-kind epilogue sink of both passes (grouped_gemm.cuh's direct sink interface, writing
+// shared memory): each output row pushed into its owner's (token, k) slot, y in the forward and
 // dx in the backward. Its own file: one file per epilogue sink.
 #pragma once
 
@@ -8,59 +8,73 @@
 #include "common/routing_schedule.h"
 #include "common/tile.h"
 #include "kernels/grouped_gemm.cuh"
+#include "kernels/megakernel/smem.cuh"
 #include "kernels/moe_megakernel.cuh"
 #include "kernels/ptx/timed_wait.cuh"
+#include "kernels/ptx/tma.cuh"
 
 namespace epflow::kernels::megakernel {
 
-// Down tiles: push combine in the epilogue, straight from the accumulators into the owners'
-// (token, k) combine slots (local HBM or a peer over NVLink; no atomics: every slot has one
-// writer), skipping padding rows and columns past H, 16 bytes per lane (quad_gather_block).
-// The rows' destinations are read from the pull table before the mainloop (prepare), so the
-// epilogue starts without a dependent load. The tile's counter only says its h rows were read
-// (the MMAs are done), so the warpgroup signals before its stores: the signal's release then
-// has no stores of this tile to wait for (over NVLink, a long wait in which warp 0 would hold
-// back the warpgroup's next MMAs).
+// Down tiles: push combine. The epilogue writes the tile's bf16 rows into the warpgroup's
+// staging (padded rows, kPushRowBytes apart) and hands it to its store warp, which bulk-copies
+// each routed row into its owner's (token, k) combine slot (local HBM or a peer over NVLink; no
+// atomics: every slot has one writer), skipping padding rows and columns past H
+// (push_staged_rows). NOTES: pushing from registers (a quad's shuffles gathering 16 bytes per
+// lane, then global stores) kept the tensor cores idle for the whole epilogue, about a sixth of
+// a down tile at H = 7168 (docs/benchmarks.md); shared memory takes the rows in a fraction of
+// that. The tile's counter only says its h rows were read (the MMAs are done), so the
+// warpgroup signals before its stores.
 struct PushCombineSink {
   static constexpr bool kDirect = true;
-  const MegakernelArgs* a;
+  StagingHandshake* staging;
   uint32_t* counter = nullptr;
-  char* dst[2] = {nullptr, nullptr};  // the thread's rows in their combine slots at this n tile
-  int32_t cols = 0;                   // columns of this n tile inside H
-  int32_t q = 0;
-  uint32_t pairs[2][4];  // bf16 pairs of blocks j = 4i .. 4i+3, per row half
-  __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int wg, int tid) {
-    const int warp = tid / 32, g = tid % 32 / 4;
-    q = tid % 4;
-    cols = a->hidden - c.n_tile * kTileCols;
+  int64_t task = 0;
+  gemm::TileCoord tile{};
+  uint32_t row_addr[2] = {0, 0};  // shared address of the thread's two rows at its column pair
+  __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int w, int t) {
+    tile = c;
+    const int warp = t / 32, g = t % 32 / 4, q = t % 4;
+    const uint32_t base = ptx::smem_addr(staging->s->gemm.out[w]);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = wg * 64 + warp * 16 + g + 8 * half;
-      dst[half] = nullptr;
-      if (row < c.rows) {
-        const sched::PullRow r = a->table[int64_t{c.m_tile} * kTileRows + row];
-        dst[half] = a->peers.base[r.src_rank] + a->combine_offset +
-                    (int64_t{r.src_slot} * a->hidden + int64_t{c.n_tile} * kTileCols) * 2;
-      }
-    }
+    for (int half = 0; half < 2; ++half)
+      row_addr[half] = base + (warp * 16 + g + 8 * half) * kPushRowBytes + 4 * q;
   }
-  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
+  __device__ __forceinline__ void begin(int w, int t) {
+    staging->acquire(w);
+    if (t == 0) ptx::signal_counter(counter);
+  }
+  // Columns 8j + 2q, +1 of the thread's row `half`.
   __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
-    pairs[half][j % 4] = gemm::bf16_pair(v0, v1);
-    if (j % 4 != 3 || half != 1) return;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint4 block = gemm::quad_gather_block(pairs[h], q);
-      const int col = 8 * (j - 3 + q);
-      if (dst[h] && col < cols) *reinterpret_cast<uint4*>(dst[h] + col * 2) = block;
-    }
+    ptx::st_shared_u32(row_addr[half] + 16 * j, gemm::bf16_pair(v0, v1));
   }
-  __device__ __forceinline__ void begin(int, int tid) {
-    if (tid == 0) ptx::signal_counter(counter);
+  __device__ __forceinline__ void end(int w, int t) {
+    ptx::fence_shared_to_async_proxy();
+    ptx::named_barrier_sync(1 + w, 128);
+    if (t == 0) staging->publish(w, task, tile);
   }
-  __device__ __forceinline__ void skip(int, int tid) {
-    if (tid == 0) ptx::signal_counter(counter);
+  __device__ __forceinline__ void skip(int, int t) {
+    if (t == 0) ptx::signal_counter(counter);
   }
 };
+
+// The store warp's side (all 32 lanes): bulk copies of consumer warpgroup w's staged rows of
+// down tile c into their combine slots, two rows per lane; returns once they have read the
+// staging (the caller then frees it).
+__device__ __forceinline__ void push_staged_rows(const MegakernelArgs& a, const uint8_t* staging,
+                                                 const gemm::TileCoord& c, int w) {
+  const int lane = threadIdx.x % 32;
+  const int32_t cols = min(kTileCols, a.hidden - c.n_tile * kTileCols);
+#pragma unroll
+  for (int r = lane; r < 64; r += 32) {
+    const int row = w * 64 + r;
+    if (row >= c.rows) continue;
+    const sched::PullRow pr = a.table[int64_t{c.m_tile} * kTileRows + row];
+    char* dst = a.peers.base[pr.src_rank] + a.combine_offset +
+                (int64_t{pr.src_slot} * a.hidden + int64_t{c.n_tile} * kTileCols) * 2;
+    ptx::bulk_store(dst, staging + r * kPushRowBytes, static_cast<uint32_t>(cols) * 2);
+  }
+  ptx::tma_store_commit();
+  ptx::tma_store_wait_read();
+}
 
 }  // namespace epflow::kernels::megakernel

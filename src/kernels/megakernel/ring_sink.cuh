@@ -26,21 +26,14 @@ namespace epflow::kernels::megakernel {
 // target meant for round r.
 struct RingSink {
   static constexpr bool kDirect = false;
-  MegaSmem* s;
+  StagingHandshake* staging;
   const MegakernelArgs* a;
   uint32_t* counter = nullptr;  // the current tile's counter
   int64_t task = 0;             // the current tile's task
-  uint32_t uses = 0;
-  __device__ __forceinline__ void acquire(int wg, int) {
-    ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
-    ++uses;
-  }
+  __device__ __forceinline__ void acquire(int wg, int) { staging->acquire(wg); }
   __device__ __forceinline__ void publish(int wg, int tid, const uint8_t*,
                                           const gemm::TileCoord& c) {
-    if (tid == 0) {
-      s->staged[wg] = gemm::StageTag{task, c};
-      ptx::mbarrier_arrive(&s->staging_full[wg]);
-    }
+    if (tid == 0) staging->publish(wg, task, c);
   }
   // FP8: the scale of h row `row` (of the warpgroup's 64) of the tile's 128-column block, after
   // its packed row's values; the store thread's signal publishes it with the values.

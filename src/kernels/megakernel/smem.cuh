@@ -10,10 +10,23 @@
 
 namespace epflow::kernels::megakernel {
 
-// NOTES: the down GEMM pushes its outputs from registers (no staging), so only the gate/up
-// epilogue stages in shared memory: 4 x 48 KB of A/B tiles + 2 x 16 KB staging = 224 KB of 227.
-inline constexpr int kStages = 4;
-inline constexpr int kStaging = gemm::kStagingBytes<gemm::Epilogue::kSwiGLU>;
+// Both GEMMs' epilogues hand their tiles to store threads through the staging buffers, so the
+// consumers go straight on to the next tile's MMAs (the tensor cores idle while an epilogue runs
+// in registers). Down-kind tiles stage their bf16 rows for the store warps' bulk copies into the
+// rows' combine slots: 64 rows of kTileCols bf16 per warpgroup, each row padded by 16 bytes so
+// a warp's 4-byte stores (8 rows x 4 lanes) hit 32 different banks.
+// 3 x 48 KB of A/B tiles + 2 x 33 KB of staging + the FP8 rows' scale boxes: 216 KB of 227.
+// NOTES: a fourth stage (with the down tiles pushed from registers, no room for their staging)
+// ran no faster than three.
+inline constexpr int kStages = 3;
+inline constexpr int kPushRowBytes = kTileCols * 2 + 16;
+inline constexpr int kPushStagingBytes = 64 * kPushRowBytes;
+inline constexpr int kStaging = gemm::kStagingBytes<gemm::Epilogue::kSwiGLU> > kPushStagingBytes
+                                    ? gemm::kStagingBytes<gemm::Epilogue::kSwiGLU>
+                                    : kPushStagingBytes;
+static_assert(kStaging % 1024 == 0,
+              "the second warpgroup's staging must start on a 1024-byte boundary (128B-swizzled "
+              "TMA boxes)");
 // Dispatch moves each x row as two bulk copies (TMA) through a row buffer in shared memory: the
 // source (local HBM or a peer over NVLink) into the buffer, the buffer into the ring. Up to
 // kPullWarps warps per CTA (lane 0 of each issues) keep up to kMaxPullRows rows in flight, in
@@ -26,7 +39,9 @@ inline constexpr int kPullWarps = 4;
 
 struct alignas(1024) MegaSmem {
   gemm::GemmSmem<kStages, kStaging> gemm;
-  // Consumer warpgroup w -> its store thread: "staging w holds a tile" / "staging w is free".
+  // FP8: the stages' boxes of the rows' scales (gemm::Fp8RowScales).
+  alignas(128) uint8_t fp8_row_scales[kStages][gemm::kFp8ScaleBoxBytes];
+  // Consumer warpgroup w -> its store warp: "staging w holds a tile" / "staging w is free".
   uint64_t staging_full[2];
   uint64_t staging_empty[2];
   // The dynamic schedule: the compute task and tile whose first stage is stage i (task -1: no
@@ -43,6 +58,23 @@ struct alignas(1024) MegaSmem {
   uint64_t pull_full[kMaxPullRows];  // dispatch row buffer i holds its row
   int64_t head_claimed;              // the head dispatch part thread 0 claimed, for its CTA
   int32_t dispatch_records;          // trace records the CTA's dispatch wrote (thread 0's count)
+};
+
+// A consumer warpgroup's side of its staging handshake (both GEMMs' sinks share it, so they
+// share the phase count): acquire(), every thread, before the warpgroup writes its staging;
+// publish(), one thread, once the whole warpgroup's writes are fenced for the async proxy and
+// synchronised: hands tile c of `task` to the store warp.
+struct StagingHandshake {
+  MegaSmem* s;
+  uint32_t uses = 0;
+  __device__ __forceinline__ void acquire(int wg) {
+    ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
+    ++uses;
+  }
+  __device__ __forceinline__ void publish(int wg, int64_t task, const gemm::TileCoord& c) {
+    s->staged[wg] = gemm::StageTag{task, c};
+    ptx::mbarrier_arrive(&s->staging_full[wg]);
+  }
 };
 
 inline constexpr size_t kSmemBytes = sizeof(MegaSmem);
