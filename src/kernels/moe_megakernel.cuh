@@ -38,7 +38,7 @@ enum ProgressWord : int {
   kProducerLoaded = 0,   // the producer issued every load of this task
   kConsumerTaken = 1,    // consumer warpgroup 0 started this task (+1: warpgroup 1)
   kConsumerDone = 3,     // consumer warpgroup 0 finished this task's epilogue (+1: warpgroup 1)
-  kStoreSignalled = 5,   // store thread 0 stored and signalled this gate/up task (+1: thread 1)
+  kStoreSignalled = 5,   // store warp 0 signalled this task (+1: warp 1); gate/up: stored too
   kProgressWords = 8,
 };
 inline constexpr int kMaxDiagnosedCtas = 160;

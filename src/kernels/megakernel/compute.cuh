@@ -145,8 +145,14 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         // The consumers' tile (the scheduler looked it up once): no global loads before the stores.
         const volatile gemm::TileCoord& tag = staged[w].tile;
         const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
+        uint32_t* counter =
+            counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
         if (t.kind != TaskKind::kGateUp) {
-          // Down kind: the rows to their combine slots (the consumers signalled the tile).
+          // Down kind: the tile's MMAs are done (its signal), then the rows to their slots.
+          if (lane0) {
+            ptx::signal_counter(counter);
+            record_progress(a, kStoreSignalled + w, i);
+          }
           push_staged_rows(a, smem.gemm.out[w], c, w);
           __syncwarp();
           if (lane0) ptx::mbarrier_arrive(&smem.staging_empty[w]);
@@ -159,8 +165,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
           ptx::mbarrier_arrive(&smem.staging_empty[w]);
           ptx::tma_store_wait_all();
           cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-          ptx::signal_counter(
-              counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind)));
+          ptx::signal_counter(counter);
           record_progress(a, kStoreSignalled + w, i);
         }
         __syncwarp();

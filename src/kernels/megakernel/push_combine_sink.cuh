@@ -22,12 +22,13 @@ namespace epflow::kernels::megakernel {
 // (push_staged_rows). NOTES: pushing from registers (a quad's shuffles gathering 16 bytes per
 // lane, then global stores) kept the tensor cores idle for the whole epilogue, about a sixth of
 // a down tile at H = 7168 (docs/benchmarks.md); shared memory takes the rows in a fraction of
-// that. The tile's counter only says its h rows were read (the MMAs are done), so the
-// warpgroup signals before its stores.
+// that. The tile's counter only says its h rows were read (the MMAs are done): the store warp
+// signals it as it takes the staging, before its copies, so the consumers' epilogue holds no
+// GPU-scope release.
 struct PushCombineSink {
   static constexpr bool kDirect = true;
   StagingHandshake* staging;
-  uint32_t* counter = nullptr;
+  uint32_t* counter = nullptr;  // signalled here only for a warpgroup whose rows are all padding
   int64_t task = 0;
   gemm::TileCoord tile{};
   uint32_t row_addr[2] = {0, 0};  // shared address of the thread's two rows at its column pair
@@ -39,10 +40,7 @@ struct PushCombineSink {
     for (int half = 0; half < 2; ++half)
       row_addr[half] = base + (warp * 16 + g + 8 * half) * kPushRowBytes + 4 * q;
   }
-  __device__ __forceinline__ void begin(int w, int t) {
-    staging->acquire(w);
-    if (t == 0) ptx::signal_counter(counter);
-  }
+  __device__ __forceinline__ void begin(int w, int) { staging->acquire(w); }
   // Columns 8j + 2q, +1 of the thread's row `half`.
   __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
     ptx::st_shared_u32(row_addr[half] + 16 * j, gemm::bf16_pair(v0, v1));
