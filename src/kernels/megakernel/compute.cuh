@@ -22,7 +22,7 @@
 namespace epflow::kernels::megakernel {
 
 // The TMA maps of the two GEMMs. First GEMM (gate/up-kind tasks): rows1 (128-row boxes) and
-// rows1_few (16-row boxes) over ring_x; weights w1a, w1b; h_out, the store threads' map of the
+// rows1_few (16-row boxes) over ring_x; weights w1a, w1b; h_out, the store warps' map of the
 // ring's h rows (forward only). Second GEMM (down-kind tasks): rows2, rows2_few over ring_h;
 // weights w2a, w2b. Each pass's launcher encodes the weights' maps.
 struct Maps {

@@ -1,5 +1,5 @@
 // The forward's gate/up epilogue sink (grouped_gemm.cuh's staged sink interface): SwiGLU tiles
-// handed through the staging buffers to the store threads, which write h into the ring. Its
+// handed through the staging buffers to the store warps, which write h into the ring. Its
 // own file: one file per epilogue sink. Both passes' compute loops also stop their store
 // threads through its handshake (compute.cuh).
 #pragma once
@@ -17,11 +17,11 @@
 
 namespace epflow::kernels::megakernel {
 
-// Gate/up tiles: the consumers' epilogue output goes to a store thread of the producer
+// Gate/up tiles: the consumers' epilogue output goes to a store warp of the producer
 // warpgroup, which issues the TMA stores of h into the ring, waits for them to land and signals
 // the tile's counter: the consumer warpgroups go straight on to their next tile's MMAs. A
 // warpgroup whose rows are all padding signals itself once it has consumed the tile's stages.
-// NOTES: never earlier (say, by the store thread as soon as it reaches the task): the producer
+// NOTES: never earlier (say, by the store warp as soon as it reaches the task): the producer
 // may not have passed the task's waits yet, and an early signal of round r + 1 would complete a
 // target meant for round r.
 struct RingSink {
@@ -36,7 +36,7 @@ struct RingSink {
     if (tid == 0) staging->publish(wg, task, c);
   }
   // FP8: the scale of h row `row` (of the warpgroup's 64) of the tile's 128-column block, after
-  // its packed row's values; the store thread's signal publishes it with the values.
+  // its packed row's values; the store warp's signal publishes it with the values.
   __device__ __forceinline__ void put_scale(const gemm::TileCoord& c, int wg, int row, float v) {
     uint8_t* packed = reinterpret_cast<uint8_t*>(a->ring_h) +
                       (int64_t{c.a_row} + wg * 64 + row) * h_row_bytes(*a) + a->intermediate;

@@ -10,7 +10,7 @@
 
 namespace epflow::kernels::megakernel {
 
-// Both GEMMs' epilogues hand their tiles to store threads through the staging buffers, so the
+// Both GEMMs' epilogues hand their tiles to store warps through the staging buffers, so the
 // consumers go straight on to the next tile's MMAs (the tensor cores idle while an epilogue runs
 // in registers). Down-kind tiles stage their bf16 rows for the store warps' bulk copies into the
 // rows' combine slots: 64 rows of kTileCols bf16 per warpgroup, each row padded by 16 bytes so
