@@ -46,8 +46,33 @@ EPFLOW_HD __nv_fp8_storage_t quantize(float v, float scale) {
   return __nv_cvt_float_to_fp8(v * (1.0f / scale), __NV_SATFINITE, __NV_E4M3);
 }
 
-// max(|a|, |b|) of two magnitudes where a NaN wins (fmaxf would drop it): a block's amax.
-EPFLOW_HD float amax_nan(float a, float b) { return (a != a || b != b) ? NAN : fmaxf(a, b); }
+// Two values of one block, v0 in the low byte: quantize(v0, scale) | quantize(v1, scale) << 8.
+// NOTES: on the device one conversion instruction makes both bytes (the same rounding).
+EPFLOW_HD uint16_t quantize_pair(float v0, float v1, float scale) {
+#ifdef __CUDA_ARCH__
+  const float inv = 1.0f / scale;
+  return __nv_cvt_float2_to_fp8x2(make_float2(v0 * inv, v1 * inv), __NV_SATFINITE, __NV_E4M3);
+#else
+  return static_cast<uint16_t>(quantize(v0, scale) | quantize(v1, scale) << 8);
+#endif
+}
+// Four values of one block, v[0] in the low byte.
+EPFLOW_HD uint32_t quantize_quad(const float* v, float scale) {
+  return uint32_t{quantize_pair(v[0], v[1], scale)} |
+         uint32_t{quantize_pair(v[2], v[3], scale)} << 16;
+}
+
+// max(a, b) of two magnitudes where a NaN wins (fmaxf would drop it): a block's amax.
+// NOTES: on the device one max.NaN instruction instead of two compares, a max and a select.
+EPFLOW_HD float amax_nan(float a, float b) {
+#ifdef __CUDA_ARCH__
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+#else
+  return (a != a || b != b) ? NAN : fmaxf(a, b);
+#endif
+}
 
 // A row of cols e4m3 values followed by its ceil(cols / 128) fp32 scales, padded to 16 bytes
 // (the unit of a bulk copy): how the FP8 layer keeps x rows on the wire and x and h rows in its

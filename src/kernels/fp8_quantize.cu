@@ -41,9 +41,7 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int off = 16; off > 0; off /= 2) m = fp8::amax_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
   const float scale = fp8::block_scale(m, pow2);
   if (vector) {
-    uint32_t packed = 0;
-    for (int i = 0; i < 4; ++i) packed |= uint32_t{fp8::quantize(v[i], scale)} << (8 * i);
-    *reinterpret_cast<uint32_t*>(dst) = packed;
+    *reinterpret_cast<uint32_t*>(dst) = fp8::quantize_quad(v, scale);
   } else {
     for (int i = 0; i < n; ++i) dst[i] = fp8::quantize(v[i], scale);
   }
@@ -90,14 +88,8 @@ __global__ void __launch_bounds__(kRowThreads)
       m = fp8::amax_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
     if (row[p] < 0) continue;
     const float scale = fp8::block_scale(m, pow2);
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      lo |= uint32_t{fp8::quantize(v[i], scale)} << (8 * i);
-      hi |= uint32_t{fp8::quantize(v[4 + i], scale)} << (8 * i);
-    }
     *reinterpret_cast<uint2*>(q + row[p] * q_stride + b[p] * fp8::kBlock + col) =
-        make_uint2(lo, hi);
+        make_uint2(fp8::quantize_quad(v, scale), fp8::quantize_quad(v + 4, scale));
     if (col == 0) scales[row[p] * scale_stride + b[p]] = scale;
   }
 }
@@ -153,13 +145,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int p = 0; p < kVecPasses; ++p) {
       const int64_t r = vfirst + kVecRowStep * p;
       if (r >= nr) continue;
-      uint32_t lo = 0, hi = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        lo |= uint32_t{fp8::quantize(v[p][i], scale)} << (8 * i);
-        hi |= uint32_t{fp8::quantize(v[p][4 + i], scale)} << (8 * i);
-      }
-      *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) = make_uint2(lo, hi);
+      *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) =
+          make_uint2(fp8::quantize_quad(v[p], scale), fp8::quantize_quad(v[p] + 4, scale));
     }
   } else if (col < nc) {
     for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock) {

@@ -572,8 +572,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
         for (int half = 0; half < 2; ++half) {
           const int row = warp * 16 + g + 8 * half;
           const float* v = acc + 4 * j + 2 * half;
-          const uint16_t pair = static_cast<uint16_t>(fp8::quantize(v[0], scale[half]) |
-                                                      (fp8::quantize(v[1], scale[half]) << 8));
+          const uint16_t pair = fp8::quantize_pair(v[0], v[1], scale[half]);
           *reinterpret_cast<uint16_t*>(staging + row * 128 + ((j / 2) ^ (row % 8)) * 16 +
                                        (j % 2) * 8 + 2 * q) = pair;
         }
