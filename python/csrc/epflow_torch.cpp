@@ -356,19 +356,26 @@ ForwardCall token_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_id
   return call;
 }
 
+// This rank's bf16 expert weights of layer config c, checked ([E, I, H], [E, I, H], [E, H, I]).
+epflow::ExpertWeights bf16_expert_weights(const epflow::LayerConfig& c, const at::Tensor& w_gate,
+                                          const at::Tensor& w_up, const at::Tensor& w_down,
+                                          const at::Device& device) {
+  const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
+  check_tensor(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device);
+  check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
+  check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
+  epflow::ExpertWeights w;
+  w.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
+  w.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
+  w.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
+  return w;
+}
+
 ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_idx,
                          const at::Tensor& topk_weights, const at::Tensor& w_gate,
                          const at::Tensor& w_up, const at::Tensor& w_down) {
   ForwardCall call = token_call(h, x, topk_idx, topk_weights, "epflow.moe_forward");
-  const epflow::LayerConfig& c = h.config();
-  const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
-  check_tensor(w_gate, "w_gate", at::kBFloat16, {E, I, H}, call.device);
-  check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, call.device);
-  check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, call.device);
-  epflow::ForwardArgs& a = call.args;
-  a.weights.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
-  a.weights.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
-  a.weights.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
+  call.args.weights = bf16_expert_weights(h.config(), w_gate, w_up, w_down, call.device);
   return call;
 }
 
@@ -423,17 +430,10 @@ std::vector<at::Tensor> Handle::quantize_weights(const at::Tensor& w_gate, const
   TORCH_CHECK(config_.dtype == epflow::DType::kFP8Blockwise,
               "EPFlow quantize_weights: the handle is not an fp8 layer");
   const at::Device device(at::kCUDA, device_);
-  const int64_t E = config_.experts_per_rank(), H = config_.hidden, I = config_.intermediate;
-  check_tensor(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device);
-  check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
-  check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
+  const epflow::ExpertWeights bf16 = bf16_expert_weights(config_, w_gate, w_up, w_down, device);
   c10::cuda::CUDAGuard guard(device_);
   const int64_t bytes = epflow::fp8_expert_weights_bytes(config_);
   at::Tensor buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  epflow::ExpertWeights bf16;
-  bf16.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
-  bf16.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
-  bf16.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
   epflow::Fp8ExpertWeights q;
   check_status(epflow::quantize_expert_weights(config_, bf16, config_.fp8_power_of_two_scales,
                                                buffer.data_ptr(), bytes, &q,
