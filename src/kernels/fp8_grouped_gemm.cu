@@ -52,7 +52,7 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
   gemm::GemmParams p = gemm::GemmParams::of(seg.seg_offset, nullptr, seg.experts, a.n, a.k);
   p.fp8.b0 = p.fp8.b1 = a.w_scales;
   p.fp8.n_blocks = static_cast<int32_t>(a.n / fp8::kBlock);
-  p.fp8.k_blocks = static_cast<int32_t>(a.k / fp8::kBlock);
+  p.fp8.k_blocks = static_cast<int32_t>(k_blocks);
   const int64_t max_tiles = seg.max_rows / kTileRows * ((a.n + kTileCols - 1) / kTileCols);
   const int grid = static_cast<int>(max_tiles < sm_count ? max_tiles : sm_count);
   auto* kernel =

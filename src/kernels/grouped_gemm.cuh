@@ -69,9 +69,10 @@ inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kTileCols / 2 : kTil
 // Where an FP8 tile's fp32 block scales are. A (1 x 128): in shared memory, a box of
 // kFp8ScaleBoxBytes per stage at a_smem (the producer loads it with the stage's tiles,
 // Fp8RowScales): stage kb's box holds the tile's row r's scales of the four K blocks from
-// kb & ~3 at bytes 16 r .. 16 r + 15. B (128 x 128), [experts, n_blocks, k_blocks] each: kSwiGLU takes the tile's
-// gate half from b0 and its up half from b1, both block n_tile; kStore takes blocks 2 n_tile and
-// 2 n_tile + 1 of b0. power_of_two: h's scales in the kSwiGLU epilogue.
+// kb & ~3 at bytes 16 r .. 16 r + 15. B (128 x 128), [experts, n_blocks, k_blocks] each:
+// kSwiGLU takes the tile's gate half from b0 and its up half from b1, both block n_tile; kStore
+// takes blocks 2 n_tile and 2 n_tile + 1 of b0. power_of_two: h's scales in the kSwiGLU
+// epilogue.
 struct Fp8Scales {
   const uint8_t* a_smem = nullptr;
   const float* b0 = nullptr;
@@ -421,7 +422,8 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
       fp8_turn_pass(wg);
       // The next block's weight scales. NOTES: issued after the first half's wgmmas rather than
       // before them: measurably faster at large row counts (docs/design/fp8_forward.md).
-      if (half == 0 && kb + 1 < k_blocks) next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
+      if (half == 0 && kb + 1 < k_blocks)
+        next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(part);
       if (half == 1 && tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);

@@ -1,7 +1,7 @@
 // The forward's gate/up epilogue sink (grouped_gemm.cuh's staged sink interface): SwiGLU tiles
 // handed through the staging buffers to the store warps, which write h into the ring. Its
-// own file: one file per epilogue sink. Both passes' compute loops also stop their store
-// threads through its handshake (compute.cuh).
+// own file: one file per epilogue sink. Both passes' compute loops stop their store warps
+// through the staging handshake it shares with PushCombineSink (StagingHandshake, smem.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
