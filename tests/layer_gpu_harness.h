@@ -105,6 +105,10 @@ struct RunOptions {
   // Run each call this many times back to back (not with cuda_graph); every output must be
   // bit-identical to the first (the layer is deterministic), which is the one returned.
   int repeat = 1;
+  // Megatron-Core's layouts, read in place through the expert strides: each expert's gate rows,
+  // then its up rows, in one [E, 2I, H] buffer (linear_fc1); down with 64 elements between
+  // experts. (FP8 layers quantize from them.)
+  bool strided_experts = false;
 };
 
 // Runs every call in order on one Layer per rank (so repeated calls reuse the workspace).
@@ -125,20 +129,34 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       layer->set_forward_executor(std::move(unfused));
     }
     const auto& ex = experts[rank];
+    const int64_t E = c.experts_per_rank(), IH = c.intermediate * c.hidden;
+    const bool fused = options.strided_experts;
+    // Matrix i (gate, up, down): expert e's at element offset[i] + e * stride[i] of buffer
+    // w[slot[i]].
+    const int64_t stride[3] = {fused ? 2 * IH : IH, fused ? 2 * IH : IH, fused ? IH + 64 : IH};
+    const int64_t offset[3] = {0, fused ? IH : 0, 0};
+    const int slot[3] = {0, fused ? 0 : 1, 2};
     std::vector<__nv_bfloat16*> w(3, nullptr);
     const std::vector<float>* host_w[3] = {&ex.gate, &ex.up, &ex.down};
     for (int i = 0; i < 3; ++i) {
+      if (slot[i] == i) EPFLOW_TRY_CUDA(cudaMalloc(&w[i], E * stride[i] * 2));
       const auto b = to_bf16(*host_w[i]);
-      EPFLOW_TRY_CUDA(cudaMalloc(&w[i], b.size() * 2));
-      EPFLOW_TRY_CUDA(cudaMemcpy(w[i], b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+      EPFLOW_TRY_CUDA(cudaMemcpy2D(w[slot[i]] + offset[i], stride[i] * 2, b.data(), IH * 2,
+                                   IH * 2, E, cudaMemcpyHostToDevice));
     }
-    Fp8ExpertWeights fp8_weights;
+    ExpertWeights weights = {w[slot[0]] + offset[0], w[slot[1]] + offset[1],
+                             w[slot[2]] + offset[2]};
+    if (fused) {
+      weights.gate_expert_stride = stride[0];
+      weights.up_expert_stride = stride[1];
+      weights.down_expert_stride = stride[2];
+    }
     void* fp8_buffer = nullptr;
     if (c.dtype == DType::kFP8Blockwise) {
       const int64_t bytes = fp8_expert_weights_bytes(c);
       EPFLOW_TRY_CUDA(cudaMalloc(&fp8_buffer, bytes));
-      if (Status s = quantize_expert_weights(c, {w[0], w[1], w[2]}, c.fp8_power_of_two_scales,
-                                             fp8_buffer, bytes, &fp8_weights, nullptr);
+      if (Status s = quantize_expert_weights(c, weights, c.fp8_power_of_two_scales, fp8_buffer,
+                                             bytes, &weights.fp8, nullptr);
           !s.ok())
         return s;
       EPFLOW_TRY_CUDA(cudaDeviceSynchronize());
@@ -167,7 +185,7 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       a.x = x;
       a.topk_idx = idx;
       a.topk_weights = tw;
-      a.weights = {w[0], w[1], w[2], fp8_weights};
+      a.weights = weights;
       a.y = y;
       SavedContext saved;
       saved.buffer = context;
@@ -217,7 +235,8 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       for (int64_t i = 0; i < T * H; ++i) out[i] = __bfloat162float(yb[i]);
     }
     layer.reset();
-    for (auto* p : w) cudaFree(p);
+    for (int i = 0; i < 3; ++i)
+      if (slot[i] == i) cudaFree(w[i]);
     if (fp8_buffer) cudaFree(fp8_buffer);
     cudaFree(x);
     cudaFree(y);

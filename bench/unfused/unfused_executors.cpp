@@ -58,6 +58,15 @@ Status push_rows(const LayerWorkspace& ws, const SavedActivations& acts, const _
   return Status::ok_status();
 }
 
+// The unfused chains' kernels read densely packed expert weights (the bench's own).
+Status require_dense_experts(const ExpertWeights& w) {
+  if (w.gate_expert_stride == 0 && w.up_expert_stride == 0 && w.down_expert_stride == 0)
+    return Status::ok_status();
+  return error_status(StatusCode::kNotImplemented,
+                      "the unfused executors read densely packed expert weights only (expert "
+                      "strides 0)");
+}
+
 }  // namespace
 
 Status UnfusedForward::create(const LayerWorkspace& ws, std::unique_ptr<UnfusedForward>* out) {
@@ -81,6 +90,7 @@ Status UnfusedForward::run(LayerWorkspace& ws, SavedActivations& acts, const Exp
   if (keep_for_backward)
     return error_status(StatusCode::kNotImplemented,
                         "the unfused forward keeps no gate/up pre-activations for a backward");
+  EPFLOW_RETURN_IF_ERROR(require_dense_experts(w));
   EPFLOW_RETURN_IF_ERROR(
       pull_rows(ws, acts, ws.layout.x, routed_x_, stream, whole_gpu(ws), false));
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
@@ -150,6 +160,7 @@ std::vector<const char*> UnfusedBackward::stage_names() const {
 // whichever starts first (a GEMM CTA fills an SM's register file).
 Status UnfusedBackward::run(LayerWorkspace& ws, const SavedActivations& acts, const ExpertWeights& w,
                             const BackwardArgs& args, cudaStream_t stream, PassHooks* hooks) {
+  EPFLOW_RETURN_IF_ERROR(require_dense_experts(w));
   const int64_t H = ws.config.hidden, I = ws.config.intermediate;
   const BackwardRows& b = ws.backward;
   const RowMovers beside_gemms =

@@ -15,7 +15,12 @@
 namespace epflow {
 
 // This rank's experts, row-major bf16 on the device (the layout of torch.nn.Linear weights):
-// gate and up [E_local, I, H], down [E_local, H, I].
+// gate and up [E_local, I, H], down [E_local, H, I]. Expert e's matrix starts at
+// `gate + e * gate_expert_stride` (likewise up and down; in elements, 0: right after expert
+// e - 1's, densely packed), so the weights are read in place from fused storage: Megatron-Core's
+// linear_fc1 [E_local, 2I, H] (gate rows, then up rows) is gate = fc1, up = fc1 + I * H with
+// both strides 2 * I * H. A stride is 0 or at least its matrix's size and a multiple of 8
+// (16 bytes); the pointers are 16-byte aligned.
 // FP8 layers (LayerConfig::dtype = kFP8Blockwise) read `fp8` instead: the same matrices as e4m3
 // bytes (OCP E4M3FN) in the same layouts, and one fp32 scale per 128 x 128 block, row-major over
 // the blocks: gate and up scales [E_local, I / 128, H / 128], down [E_local, H / 128, I / 128];
@@ -33,6 +38,9 @@ struct ExpertWeights {
   const __nv_bfloat16* up = nullptr;
   const __nv_bfloat16* down = nullptr;
   Fp8ExpertWeights fp8 = {};  // FP8 layers only
+  int64_t gate_expert_stride = 0;
+  int64_t up_expert_stride = 0;
+  int64_t down_expert_stride = 0;
 };
 
 // Bytes of device memory quantize_expert_weights needs for one rank's experts of `config`.
@@ -84,10 +92,16 @@ struct BackwardArgs {
   const __nv_bfloat16* dy = nullptr;      // [T, H]
   __nv_bfloat16* dx = nullptr;            // [T, H] out
   float* d_topk_weights = nullptr;        // [T, K] out; 0 for empty slots
-  // This rank's weight gradients, same layouts as ExpertWeights, in grad_dtype.
+  // This rank's weight gradients, same layouts as ExpertWeights, in grad_dtype, expert e's at
+  // d_gate + e * d_gate_expert_stride elements (likewise up and down; 0: densely packed; at least
+  // the matrix's size, 16 bytes' multiple). Megatron-Core's main_grad of a fused linear_fc1:
+  // d_gate = main_grad, d_up = main_grad + I * H, strides 2 * I * H.
   void* d_gate = nullptr;
   void* d_up = nullptr;
   void* d_down = nullptr;
+  int64_t d_gate_expert_stride = 0;
+  int64_t d_up_expert_stride = 0;
+  int64_t d_down_expert_stride = 0;
   GradDType grad_dtype = GradDType::kFP32;
   bool accumulate_weight_grads = false;   // add into d_* instead of overwriting
 };

@@ -302,12 +302,56 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
               "an offset is not); call .clone()");
 }
 
-// Contiguous tensors (checked first) overlap when their byte ranges do.
+// Expert matrices [E, R, C] of `dtype` on `device`: each expert's matrix row-major and
+// contiguous, any 16-byte multiple between experts (at least the matrix: a view of a fused
+// [E, 2I, H] tensor, as Megatron-Core's linear_fc1, is read in place). Returns the expert
+// stride in elements for ExpertWeights / BackwardArgs (0: densely packed).
+int64_t check_expert_matrices(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                              at::IntArrayRef shape, const at::Device& device) {
+  if (t.is_contiguous()) {
+    check_tensor(t, name, dtype, shape, device);
+    return 0;
+  }
+  TORCH_CHECK(t.scalar_type() == dtype, "epflow: ", name, " must be ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == device, "epflow: ", name, " must be on ", device,
+              " (the handle's device), got ", t.device());
+  TORCH_CHECK(t.sizes() == shape, "epflow: ", name, " must have shape ", shape, ", got ",
+              t.sizes());
+  const int64_t matrix = shape[1] * shape[2];
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == shape[2] &&
+                  (shape[0] == 1 || (t.stride(0) >= matrix &&
+                                     t.stride(0) * t.element_size() % 16 == 0)),
+              "epflow: ", name, " must hold each expert's matrix row-major and contiguous, the "
+              "experts at most 16-byte multiples apart (a view of a fused [E, 2I, H] tensor "
+              "works), got strides ", t.strides(), "; call .contiguous()");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "epflow: ", name,
+              " must start at a 16-byte aligned address");
+  return shape[0] == 1 ? 0 : t.stride(0);
+}
+
+// The byte ranges a checked tensor covers, ascending: one for a contiguous tensor, one per
+// expert for expert matrices (check_expert_matrices).
+std::vector<std::pair<uintptr_t, uintptr_t>> byte_ranges(const at::Tensor& t) {
+  if (t.numel() == 0) return {};
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  if (t.is_contiguous()) return {{base, base + t.nbytes()}};
+  const auto bytes = static_cast<uintptr_t>(t.size(1) * t.size(2) * t.element_size());
+  const auto step = static_cast<uintptr_t>(t.stride(0) * t.element_size());
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (int64_t e = 0; e < t.size(0); ++e) ranges.emplace_back(base + e * step, base + e * step + bytes);
+  return ranges;
+}
+
+// Checked tensors overlap when any of their byte ranges do (fused gate and up views interleave
+// without overlapping).
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  const auto a0 = reinterpret_cast<uintptr_t>(a.data_ptr()), a1 = a0 + a.nbytes();
-  const auto b0 = reinterpret_cast<uintptr_t>(b.data_ptr()), b1 = b0 + b.nbytes();
-  return a0 < b1 && b0 < a1;
+  const auto ra = byte_ranges(a), rb = byte_ranges(b);
+  for (size_t i = 0, j = 0; i < ra.size() && j < rb.size();) {
+    if (ra[i].first < rb[j].second && rb[j].first < ra[i].second) return true;
+    if (ra[i].second <= rb[j].second) ++i; else ++j;
+  }
+  return false;
 }
 
 struct Named {
@@ -318,13 +362,16 @@ struct Named {
 // An output the caller gave: its dtype, shape, device, layout as for an input, and no overlap
 // with what the call reads or with another output (the kernels read inputs while they write
 // outputs, so an alias would be a race, not an in-place update).
+void check_no_overlap(const at::Tensor& out, const char* name, std::initializer_list<Named> others) {
+  for (const Named& other : others)
+    TORCH_CHECK(!overlaps(out, *other.tensor), "epflow: output ", name, " overlaps ",
+                other.name, " in memory; give it a buffer of its own");
+}
 void check_output(const at::Tensor& out, const char* name, at::ScalarType dtype,
                   at::IntArrayRef shape, const at::Device& device,
                   std::initializer_list<Named> others) {
   check_tensor(out, name, dtype, shape, device);
-  for (const Named& other : others)
-    TORCH_CHECK(!overlaps(out, *other.tensor), "epflow: output ", name, " overlaps ",
-                other.name, " in memory; give it a buffer of its own");
+  check_no_overlap(out, name, others);
 }
 
 // The checked forward arguments of one call on `h`, y not yet bound (forward_call's callers give
@@ -356,15 +403,16 @@ ForwardCall token_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_id
   return call;
 }
 
-// This rank's bf16 expert weights of layer config c, checked ([E, I, H], [E, I, H], [E, H, I]).
+// This rank's bf16 expert weights of layer config c, checked ([E, I, H], [E, I, H], [E, H, I];
+// expert-strided views read in place).
 epflow::ExpertWeights bf16_expert_weights(const epflow::LayerConfig& c, const at::Tensor& w_gate,
                                           const at::Tensor& w_up, const at::Tensor& w_down,
                                           const at::Device& device) {
   const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
-  check_tensor(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device);
-  check_tensor(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
-  check_tensor(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
   epflow::ExpertWeights w;
+  w.gate_expert_stride = check_expert_matrices(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device);
+  w.up_expert_stride = check_expert_matrices(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
+  w.down_expert_stride = check_expert_matrices(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
   w.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
   w.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
   w.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
@@ -529,9 +577,16 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
   const at::ScalarType grad_type = d_gate.scalar_type();
   TORCH_CHECK(grad_type == at::kBFloat16 || grad_type == at::kFloat,
               "epflow: weight gradients must be bfloat16 or float32, got ", grad_type);
-  check_output(d_gate, "d_w_gate", grad_type, w_gate.sizes(), call.device, inputs);
-  check_output(d_up, "d_w_up", grad_type, w_up.sizes(), call.device, inputs);
-  check_output(d_down, "d_w_down", grad_type, w_down.sizes(), call.device, inputs);
+  // Expert-strided gradients (a fused main_grad's views) are written in place.
+  const int64_t d_gate_stride =
+      check_expert_matrices(d_gate, "d_w_gate", grad_type, w_gate.sizes(), call.device);
+  const int64_t d_up_stride =
+      check_expert_matrices(d_up, "d_w_up", grad_type, w_up.sizes(), call.device);
+  const int64_t d_down_stride =
+      check_expert_matrices(d_down, "d_w_down", grad_type, w_down.sizes(), call.device);
+  check_no_overlap(d_gate, "d_w_gate", inputs);
+  check_no_overlap(d_up, "d_w_up", inputs);
+  check_no_overlap(d_down, "d_w_down", inputs);
   const std::pair<const char*, const at::Tensor*> outs[] = {
       {"dx", &dx}, {"d_topk_weights", &d_topk_weights}, {"d_w_gate", &d_gate},
       {"d_w_up", &d_up}, {"d_w_down", &d_down}};
@@ -560,6 +615,9 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
   b.d_gate = d_gate.data_ptr();
   b.d_up = d_up.data_ptr();
   b.d_down = d_down.data_ptr();
+  b.d_gate_expert_stride = d_gate_stride;
+  b.d_up_expert_stride = d_up_stride;
+  b.d_down_expert_stride = d_down_stride;
   b.grad_dtype = grad_type == at::kFloat ? epflow::GradDType::kFP32 : epflow::GradDType::kBF16;
   b.accumulate_weight_grads = accumulate;
   check_status(layer_->backward(b, saved, current_stream(call.device)), "backward");

@@ -62,6 +62,8 @@ Status recompute_gate_up_overflow(const LayerWorkspace& ws, const SavedActivatio
   r.rows = ws.backward.x;
   r.w_gate = weights.gate;
   r.w_up = weights.up;
+  r.w_gate_stride = weights.gate_expert_stride;
+  r.w_up_stride = weights.up_expert_stride;
   r.out = ws.backward.gate_up_overflow;
   EPFLOW_CUDA_RETURN(kernels::launch_gate_up_recompute(r, ws.sm_count, stream));
   return Status::ok_status();
@@ -81,19 +83,20 @@ Status weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
   wg.accumulate = args.accumulate_weight_grads;
   wg.max_ctas = max_ctas;
   auto wgrad = [&](const __nv_bfloat16* lhs, int64_t m, int64_t lhs_ld, const __nv_bfloat16* rhs,
-                   int64_t n, void* dw) {
+                   int64_t n, void* dw, int64_t dw_expert_stride) {
     wg.lhs = lhs;
     wg.m = m;
     wg.lhs_ld = lhs_ld;
     wg.rhs = rhs;
     wg.n = n;
     wg.dw = dw;
+    wg.dw_expert_stride = dw_expert_stride;
     return kernels::launch_expert_wgrad(wg, stream);
   };
-  EPFLOW_CUDA_RETURN(wgrad(b.ring.x, H, H, b.wh, I, args.d_down));
+  EPFLOW_CUDA_RETURN(wgrad(b.ring.x, H, H, b.wh, I, args.d_down, args.d_down_expert_stride));
   if (x_rows_in) EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, x_rows_in, 0));
-  EPFLOW_CUDA_RETURN(wgrad(b.ring.h, I, 2 * I, b.x, H, args.d_gate));
-  EPFLOW_CUDA_RETURN(wgrad(b.ring.h + I, I, 2 * I, b.x, H, args.d_up));
+  EPFLOW_CUDA_RETURN(wgrad(b.ring.h, I, 2 * I, b.x, H, args.d_gate, args.d_gate_expert_stride));
+  EPFLOW_CUDA_RETURN(wgrad(b.ring.h + I, I, 2 * I, b.x, H, args.d_up, args.d_up_expert_stride));
   return Status::ok_status();
 }
 

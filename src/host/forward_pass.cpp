@@ -27,6 +27,9 @@ kernels::MegakernelArgs megakernel_args(const LayerWorkspace& ws, const SavedAct
   m.w_gate = w.gate;
   m.w_up = w.up;
   m.w_down = w.down;
+  m.w_gate_stride = w.gate_expert_stride;
+  m.w_up_stride = w.up_expert_stride;
+  m.w_down_stride = w.down_expert_stride;
   if (c.dtype == DType::kFP8Blockwise) {
     m.fp8 = true;
     m.fp8_pow2_scales = c.fp8_power_of_two_scales;

@@ -16,6 +16,29 @@ Status require(bool ok, const char* what) {
   return ok ? Status::ok_status() : Status(StatusCode::kInvalidArgument, what);
 }
 
+// One matrix kind of this rank's experts (or of their gradients): `rows` x `cols` elements of
+// elem_bytes each, expert e's at p + e * stride elements. The kernels read and write them
+// through TMA, which needs 16-byte aligned starts and strides.
+Status check_expert_matrices(const char* name, const void* p, int64_t stride, int64_t rows,
+                             int64_t cols, int64_t elem_bytes) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+    return invalid_argument(name, " must start at a 16-byte aligned address");
+  if (stride != 0 && (stride < rows * cols || stride * elem_bytes % 16 != 0))
+    return invalid_argument(name, "'s expert stride (", stride, " elements) must be 0 (densely "
+                            "packed) or at least the matrix's ", rows * cols, " elements and a "
+                            "multiple of 16 bytes");
+  return Status::ok_status();
+}
+
+Status check_bf16_expert_weights(const LayerConfig& c, const ExpertWeights& w) {
+  EPFLOW_RETURN_IF_ERROR(require(w.gate && w.up && w.down,
+                                 "bf16 expert weights (gate, up, down) must all be set"));
+  const int64_t H = c.hidden, I = c.intermediate;
+  EPFLOW_RETURN_IF_ERROR(check_expert_matrices("gate", w.gate, w.gate_expert_stride, I, H, 2));
+  EPFLOW_RETURN_IF_ERROR(check_expert_matrices("up", w.up, w.up_expert_stride, I, H, 2));
+  return check_expert_matrices("down", w.down, w.down_expert_stride, H, I, 2);
+}
+
 }  // namespace
 
 Status validate(const LayerConfig& c, const ForwardArgs& a) {
@@ -36,8 +59,7 @@ Status validate(const LayerConfig& c, const ForwardArgs& a) {
                    "an fp8-blockwise layer reads ExpertWeights::fp8: its e4m3 weights and "
                    "scales (gate, up, down) must all be set (quantize_expert_weights)");
   }
-  return require(a.weights.gate && a.weights.up && a.weights.down,
-                 "expert weights (gate, up, down) must all be set");
+  return check_bf16_expert_weights(c, a.weights);
 }
 
 namespace {
@@ -70,8 +92,7 @@ Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, boo
                                cudaStream_t stream) {
   EPFLOW_RETURN_IF_ERROR(validate(c));
   EPFLOW_RETURN_IF_ERROR(require(out != nullptr, "output pointer is null"));
-  EPFLOW_RETURN_IF_ERROR(require(w.gate && w.up && w.down,
-                                 "bf16 expert weights (gate, up, down) must all be set"));
+  EPFLOW_RETURN_IF_ERROR(check_bf16_expert_weights(c, w));
   int64_t at[7];
   fp8_weight_regions(c, at);
   if (buffer == nullptr || buffer_bytes < at[6])
@@ -83,12 +104,12 @@ Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, boo
   auto* base = static_cast<uint8_t*>(buffer);
   const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
   auto scales = [&](int i) { return reinterpret_cast<float*>(base + at[i]); };
-  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.gate, E, I, H, pow2, base + at[0],
-                                                              scales(3), stream));
-  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.up, E, I, H, pow2, base + at[1],
-                                                              scales(4), stream));
-  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.down, E, H, I, pow2, base + at[2],
-                                                              scales(5), stream));
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
+      w.gate, E, I, H, pow2, base + at[0], scales(3), stream, w.gate_expert_stride));
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
+      w.up, E, I, H, pow2, base + at[1], scales(4), stream, w.up_expert_stride));
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
+      w.down, E, H, I, pow2, base + at[2], scales(5), stream, w.down_expert_stride));
   *out = Fp8ExpertWeights{base + at[0], base + at[1], base + at[2], scales(3), scales(4), scales(5)};
   return Status::ok_status();
 }
@@ -105,8 +126,14 @@ Status validate(const LayerConfig& c, const SavedContext& saved, const BackwardA
     EPFLOW_RETURN_IF_ERROR(require(a.dx != nullptr, "dx is null"));
     EPFLOW_RETURN_IF_ERROR(require(a.d_topk_weights != nullptr, "d_topk_weights is null"));
   }
-  return require(a.d_gate && a.d_up && a.d_down,
-                 "weight gradients (d_gate, d_up, d_down) must all be set");
+  EPFLOW_RETURN_IF_ERROR(require(a.d_gate && a.d_up && a.d_down,
+                                 "weight gradients (d_gate, d_up, d_down) must all be set"));
+  const int64_t H = c.hidden, I = c.intermediate;
+  const int64_t bytes = a.grad_dtype == GradDType::kFP32 ? 4 : 2;
+  EPFLOW_RETURN_IF_ERROR(
+      check_expert_matrices("d_gate", a.d_gate, a.d_gate_expert_stride, I, H, bytes));
+  EPFLOW_RETURN_IF_ERROR(check_expert_matrices("d_up", a.d_up, a.d_up_expert_stride, I, H, bytes));
+  return check_expert_matrices("d_down", a.d_down, a.d_down_expert_stride, H, I, bytes);
 }
 
 struct Workspace::Impl {

@@ -180,13 +180,17 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
   const uint64_t lhs_dims[2] = {uint64_t(a.m), rows}, rhs_dims[2] = {uint64_t(a.n), rows};
   const uint64_t lhs_strides[1] = {uint64_t(lhs_ld) * 2}, rhs_strides[1] = {uint64_t(rhs_ld) * 2};
   const uint64_t dw_dims[3] = {uint64_t(a.n), uint64_t(a.m), uint64_t(seg.experts)};
+  const uint64_t dw_elem = a.fp32_out ? 4 : 2;
+  const uint64_t dw_strides[2] = {
+      uint64_t(a.n) * dw_elem,
+      uint64_t(a.dw_expert_stride == 0 ? a.m * a.n : a.dw_expert_stride) * dw_elem};
   const uint32_t box2[2] = {64, kBlockK};
   const uint32_t dw_box[3] = {a.fp32_out ? 32u : 64u, 64, 1};  // 128-byte rows of the staging
   CUtensorMap map_lhs, map_rhs, map_dw;
   if (!encode_bf16_tensor_map(&map_lhs, a.lhs, 2, lhs_dims, box2, lhs_strides).ok() ||
       !encode_bf16_tensor_map(&map_rhs, a.rhs, 2, rhs_dims, box2, rhs_strides).ok() ||
-      !(a.fp32_out ? encode_f32_tensor_map(&map_dw, a.dw, 3, dw_dims, dw_box)
-                   : encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, dw_box))
+      !(a.fp32_out ? encode_f32_tensor_map(&map_dw, a.dw, 3, dw_dims, dw_box, dw_strides)
+                   : encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, dw_box, dw_strides))
            .ok())
     return cudaErrorInvalidValue;
   WgradParams p;

@@ -95,15 +95,15 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 __global__ void __launch_bounds__(kBlockThreads)
-    quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols, bool pow2,
-                           uint8_t* q, float* scales) {
+    quantize_blocks_kernel(const __nv_bfloat16* w, int64_t w_stride, int64_t rows, int64_t cols,
+                           bool pow2, uint8_t* q, float* scales) {
   const int64_t row_blocks = (rows + fp8::kBlock - 1) / fp8::kBlock;
   const int64_t col_blocks = (cols + fp8::kBlock - 1) / fp8::kBlock;
   const int64_t matrix = blockIdx.z, rb = blockIdx.y, cb = blockIdx.x;
   const int64_t r0 = rb * fp8::kBlock, c0 = cb * fp8::kBlock;
   const int64_t nr = rows - r0 < fp8::kBlock ? rows - r0 : fp8::kBlock;
   const int64_t nc = cols - c0 < fp8::kBlock ? cols - c0 : fp8::kBlock;
-  const __nv_bfloat16* src = w + matrix * rows * cols;
+  const __nv_bfloat16* src = w + matrix * w_stride;
   uint8_t* dst = q + matrix * rows * cols;
   // Whole 128-column blocks of aligned rows: thread t holds 8 columns c0 + 8 (t % 16) .. + 7 of
   // rows t / 16, + 16, ... in registers (16-byte loads, one pass over memory). Otherwise thread
@@ -188,15 +188,17 @@ cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int
 
 cudaError_t launch_quantize_blocks_128x128(const __nv_bfloat16* w, int64_t matrices, int64_t rows,
                                            int64_t cols, bool pow2, uint8_t* q, float* scales,
-                                           cudaStream_t stream) {
-  if (matrices < 0 || rows <= 0 || cols <= 0 || matrices > 65535 ||
-      (matrices > 0 && (!w || !q || !scales)))
+                                           cudaStream_t stream, int64_t w_stride) {
+  if (w_stride == 0) w_stride = rows * cols;
+  if (matrices < 0 || rows <= 0 || cols <= 0 || matrices > 65535 || w_stride < rows * cols ||
+      w_stride % 8 != 0 || (matrices > 0 && (!w || !q || !scales)))
     return cudaErrorInvalidValue;
   if (matrices == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((cols + fp8::kBlock - 1) / fp8::kBlock),
                   static_cast<unsigned>((rows + fp8::kBlock - 1) / fp8::kBlock),
                   static_cast<unsigned>(matrices));
-  quantize_blocks_kernel<<<grid, kBlockThreads, 0, stream>>>(w, rows, cols, pow2, q, scales);
+  quantize_blocks_kernel<<<grid, kBlockThreads, 0, stream>>>(w, w_stride, rows, cols, pow2, q,
+                                                             scales);
   return cudaGetLastError();
 }
 

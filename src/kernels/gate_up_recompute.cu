@@ -114,8 +114,9 @@ cudaError_t launch_gate_up_recompute(const GateUpRecomputeArgs& a, int32_t sm_co
   const uint64_t out_strides[2] = {uint64_t(I) * 2, uint64_t(I) * 4};
   const uint32_t out_box[3] = {64, 1, 64};
   if (!gemm::encode_row_operand_maps(a.rows, H, a.max_rows, &map_a, &map_a_rows) ||
-      !gemm::encode_weight_map(a.w_gate, a.experts, I, H, kTileCols, &map_gate) ||
-      !gemm::encode_weight_map(a.w_up, a.experts, I, H, kTileCols, &map_up) ||
+      !gemm::encode_weight_map(a.w_gate, a.experts, I, H, kTileCols, &map_gate,
+                               a.w_gate_stride) ||
+      !gemm::encode_weight_map(a.w_up, a.experts, I, H, kTileCols, &map_up, a.w_up_stride) ||
       !encode_bf16_tensor_map(&map_out, a.out, 3, out_dims, out_box, out_strides).ok())
     return cudaErrorInvalidValue;
   RecomputeParams p;

@@ -42,6 +42,7 @@ struct GateUpRecomputeArgs {
   const __nv_bfloat16* rows = nullptr;    // [max_rows, H]
   const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
   const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]
+  int64_t w_gate_stride = 0, w_up_stride = 0;  // elements between experts (0: densely packed)
   __nv_bfloat16* out = nullptr;           // [max_rows - first_row, 2I]
 };
 cudaError_t launch_gate_up_recompute(const GateUpRecomputeArgs& args, int32_t sm_count,

@@ -715,21 +715,27 @@ inline bool encode_output_map(void* out, int64_t n, int64_t max_rows, CUtensorMa
   return encode_bf16_tensor_map(map, out, 2, dims, box).ok();
 }
 // Expert weights [experts, n, k] (nn.Linear layout per expert) in boxes of box_rows rows; 3-D,
-// so a tile past n reads zeros, never the next expert. The same weights read N-major (dy W):
-// encode_weight_map_n_major maps [experts, k, n] in boxes of 64 n x 64 k. Gate and up: kTileCols / 2 rows each
-// (a gate/up tile is 128 gate + the same 128 up rows); down: kTileCols.
+// so a tile past n reads zeros, never the next expert. Expert e's matrix starts expert_stride
+// elements after expert e - 1's (0: n * k, densely packed; a multiple of 8, 16 bytes). The same
+// weights read N-major (dy W): encode_weight_map_n_major maps [experts, k, n] in boxes of 64 n x
+// 64 k. Gate and up: kTileCols / 2 rows each (a gate/up tile is 128 gate + the same 128 up rows);
+// down: kTileCols.
 inline bool encode_weight_map(const void* w, int64_t experts, int64_t n, int64_t k,
-                              uint32_t box_rows, CUtensorMap* map) {
+                              uint32_t box_rows, CUtensorMap* map, int64_t expert_stride = 0) {
   const uint64_t dims[3] = {uint64_t(k), uint64_t(n), uint64_t(experts)};
+  const uint64_t strides[2] = {uint64_t(k) * 2,
+                               uint64_t(expert_stride == 0 ? n * k : expert_stride) * 2};
   const uint32_t box[3] = {kBlockK, box_rows, 1};
-  return encode_bf16_tensor_map(map, w, 3, dims, box).ok();
+  return encode_bf16_tensor_map(map, w, 3, dims, box, strides).ok();
 }
 
 inline bool encode_weight_map_n_major(const void* w, int64_t experts, int64_t k, int64_t n,
-                                      CUtensorMap* map) {
+                                      CUtensorMap* map, int64_t expert_stride = 0) {
   const uint64_t dims[3] = {uint64_t(n), uint64_t(k), uint64_t(experts)};
+  const uint64_t strides[2] = {uint64_t(n) * 2,
+                               uint64_t(expert_stride == 0 ? k * n : expert_stride) * 2};
   const uint32_t box[3] = {64, kBlockK, 1};
-  return encode_bf16_tensor_map(map, w, 3, dims, box).ok();
+  return encode_bf16_tensor_map(map, w, 3, dims, box, strides).ok();
 }
 
 // Host side: maps the row operand `rows` [max_rows, p.k] and the output `out` [max_rows,

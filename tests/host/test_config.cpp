@@ -129,6 +129,25 @@ TEST(ForwardArgsValidate, RejectsMissingPointersButAllowsZeroTokens) {
   expect_invalid(validate(c, a), "expert weights");
 }
 
+TEST(ForwardArgsValidate, ChecksExpertStridesAndAlignment) {
+  const LayerConfig c = deepseek_v3_ep2();
+  const int64_t H = c.hidden, I = c.intermediate;
+  auto* fc1 = reinterpret_cast<__nv_bfloat16*>(0x10000);
+  ForwardArgs a;
+  // Megatron-Core's fused linear_fc1 [E, 2I, H]: gate and up rows of each expert, read in place.
+  a.weights = {fc1, fc1 + I * H, fc1};
+  a.weights.gate_expert_stride = a.weights.up_expert_stride = 2 * I * H;
+  a.weights.down_expert_stride = H * I + 64;  // padded between experts
+  EXPECT_TRUE(validate(c, a).ok()) << validate(c, a).to_string();
+  a.weights.up_expert_stride = I * H - 8;  // experts would overlap
+  expect_invalid(validate(c, a), "up's expert stride (14680056 elements)");
+  a.weights.up_expert_stride = 2 * I * H + 4;  // 8 bytes: TMA strides are 16-byte multiples
+  expect_invalid(validate(c, a), "multiple of 16 bytes");
+  a.weights.up_expert_stride = 0;
+  a.weights.down = fc1 + 3;  // 6 bytes past an aligned address
+  expect_invalid(validate(c, a), "down must start at a 16-byte aligned address");
+}
+
 TEST(BackwardArgsValidate, RejectsUnfilledContext) {
   LayerConfig c = deepseek_v3_ep2();
   c.with_backward = true;
@@ -150,6 +169,30 @@ TEST(BackwardArgsValidate, RejectsAContextWithoutItsBuffer) {
   saved.layer_id = 1;
   saved.consumed = std::make_shared<bool>(false);
   expect_invalid(validate(c, saved, BackwardArgs{}), "no buffer");
+}
+
+TEST(BackwardArgsValidate, ChecksGradientStridesByGradDtype) {
+  LayerConfig c = deepseek_v3_ep2();
+  c.with_backward = true;
+  const int64_t H = c.hidden, I = c.intermediate;
+  SavedContext saved;
+  saved.layer_id = 1;
+  saved.consumed = std::make_shared<bool>(false);
+  saved.buffer = reinterpret_cast<void*>(0x1000);
+  saved.num_tokens = 0;  // no token gradients needed
+  BackwardArgs a;
+  auto* main_grad = reinterpret_cast<float*>(0x10000);
+  a.d_gate = main_grad;
+  a.d_up = main_grad + I * H;
+  a.d_down = main_grad;
+  a.d_gate_expert_stride = a.d_up_expert_stride = 2 * I * H + 4;  // 16 bytes of fp32
+  a.grad_dtype = GradDType::kFP32;
+  EXPECT_TRUE(validate(c, saved, a).ok()) << validate(c, saved, a).to_string();
+  a.grad_dtype = GradDType::kBF16;  // the same stride is 8 bytes of bf16
+  expect_invalid(validate(c, saved, a), "d_gate's expert stride");
+  a.d_gate_expert_stride = a.d_up_expert_stride = 0;
+  a.d_down_expert_stride = H * I - 8;
+  expect_invalid(validate(c, saved, a), "d_down's expert stride");
 }
 
 TEST(NcclVersion, HeadersMatchLoadedLibrary) {

@@ -5,7 +5,8 @@
 // and imbalanced routing, a hot expert, empty experts and slots, T = 0 / 1 / not a tile multiple,
 // different T per rank, rings smaller than the routed rows, power-of-two scales, a CUDA graph,
 // repeated calls bitwise equal, the DeepSeek-V3 shape; and an infinity in one token's x, which
-// must stay in that token (its 1 x 128 scale is the token's own).
+// must stay in that token (its 1 x 128 scale is the token's own); weights quantized from
+// Megatron-Core's layouts read in place.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -107,6 +108,23 @@ void repeated_calls_bitwise(int world) {
                 1 << 30, repeated);
 }
 
+// Weights quantized from Megatron-Core's layouts (fused gate|up [E, 2I, H], padded down) read
+// in place: the same bytes, so the same outputs, bitwise.
+void quantized_from_megatron_layouts(int world) {
+  const LayerConfig c = fp8_config(world, 512, 384, 4, 2, 600);
+  const std::vector<CallInputs> calls = mixed_calls(c, world, 50);
+  testing::RunOptions strided;
+  strided.strided_experts = true;
+  run_and_check(c, calls, 1 << 30, strided);
+  const auto experts = testing::make_bf16_experts(c, 5);
+  testing::LayerRunResult packed, in_place;
+  const Status a = testing::run_layer(c, experts, calls, &packed);
+  ASSERT_TRUE(a.ok()) << a.to_string();
+  const Status b = testing::run_layer(c, experts, calls, &in_place, strided);
+  ASSERT_TRUE(b.ok()) << b.to_string();
+  EXPECT_EQ(packed.y, in_place.y);
+}
+
 // DeepSeek-V3 per rank: H 7168, I 2048, 32 experts per rank, top-8; T = 1, 100, 4096 (48 tokens
 // per rank checked; every element checked as written).
 void deepseek_v3(int world) {
@@ -161,6 +179,7 @@ EPFLOW_EP1_AND_EP2_TESTS(LayerFp8Gpu, PowerOfTwoScalesInACudaGraph, power_of_two
 EPFLOW_EP1_AND_EP2_TESTS(LayerFp8Gpu, RepeatedCallsBitwiseEqual, repeated_calls_bitwise)
 EPFLOW_EP1_AND_EP2_TESTS(LayerFp8Gpu, DeepSeekV3Shape, deepseek_v3)
 EPFLOW_EP1_AND_EP2_TESTS(LayerFp8Gpu, InfinityStaysInItsToken, infinity_stays_in_its_token)
+EPFLOW_EP1_AND_EP2_TESTS(LayerFp8Gpu, QuantizedFromMegatronLayouts, quantized_from_megatron_layouts)
 
 }  // namespace
 }  // namespace epflow

@@ -5,7 +5,7 @@
 // megakernel also with rings smaller than the routed rows, several SM splits and minibatch
 // sizes, and captured in a CUDA graph; the unfused chain (bench/unfused) on the same cases; a
 // timed-out wait reported as an error that names it; 200 back-to-back calls at a small token
-// count, bit-identical.
+// count, bit-identical; expert weights in Megatron-Core's layouts read in place.
 #include <gtest/gtest.h>
 
 #include "gpu_test_util.h"
@@ -114,6 +114,25 @@ void unfused_chain_matches_reference(int world) {
   run_and_check(c, mixed_calls(c, world, 50), 1 << 30, 5, unfused);
 }
 
+// Megatron-Core's layouts (fused gate|up [E, 2I, H], padded down) read in place through the
+// expert strides: against the reference, and bitwise equal to densely packed weights.
+void megatron_layouts_read_in_place(int world) {
+  LayerConfig c = small_config(world, 600);
+  c.intermediate = 320;  // a partial gate/up tile
+  const std::vector<CallInputs> calls = mixed_calls(c, world, 60);
+  testing::RunOptions strided;
+  strided.strided_experts = true;
+  run_and_check(c, calls, 1 << 30, 5, strided);
+  const auto experts = testing::make_bf16_experts(c, 5);
+  testing::LayerRunResult packed, in_place;
+  const Status a = testing::run_layer(c, experts, calls, &packed);
+  ASSERT_TRUE(a.ok()) << a.to_string();
+  const Status b = testing::run_layer(c, experts, calls, &in_place, strided);
+  ASSERT_TRUE(b.ok()) << b.to_string();
+  EXPECT_EQ(packed.y, in_place.y);
+}
+
+EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, MegatronLayoutsReadInPlace, megatron_layouts_read_in_place)
 EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, RingSmallerThanRoutedRows, ring_smaller_than_routed_rows)
 EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, SmSplitsAndMinibatchSizes, sm_splits_and_minibatch_sizes)
 EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, CapturedInCudaGraph, captured_in_cuda_graph)
