@@ -208,10 +208,10 @@ class EPFlowMoELayer(MoELayer):
         self._handle_key = None
 
     @torch.no_grad()
-    def _rehome_expert_weights(self):
+    def _rehome_expert_weights(self, kinds=("linear_fc1", "linear_fc2")):
         """Each expert's weights become views of one tensor per kind (values kept): EPFlow reads
         them in place with no per-step copy, and the state_dict keys stay Megatron's."""
-        for kind in ("linear_fc1", "linear_fc2"):
+        for kind in kinds:
             params = [getattr(e, kind).weight for e in self.experts.local_experts]
             fused = torch.stack([p.detach() for p in params])
             for e, p in enumerate(params):
@@ -223,15 +223,28 @@ class EPFlowMoELayer(MoELayer):
                 [e.linear_fc2.weight for e in experts])
 
     def _expert_weights(self, params):
+        """The experts' weights as [E, 2I, H] and [E, H, I] views. A kind whose parameters
+        something moved into tensors of their own (module.cuda(), .to()) is re-homed again, once;
+        parameters that share another allocation unevenly are refused (re-homing them would
+        detach them from whoever owns it, e.g. a distributed optimizer's buffer)."""
         E = self.num_local_experts
-        fc1 = _experts_view(params[:E], (2 * self.intermediate, self.hidden))
-        fc2 = _experts_view(params[E:], (self.hidden, self.intermediate))
-        if fc1 is None or fc2 is None:
-            raise RuntimeError(
-                "epflow: the experts' linear_fc1 / linear_fc2 weights are no longer equally "
-                "spaced in one allocation (EPFlow reads them in place); something re-homed them "
-                "unevenly (e.g. a distributed optimizer's bucket padding between experts)")
-        return fc1, fc2
+        kinds = (("linear_fc1", params[:E], (2 * self.intermediate, self.hidden)),
+                 ("linear_fc2", params[E:], (self.hidden, self.intermediate)))
+        views = []
+        for kind, group, shape in kinds:
+            view = _experts_view(group, shape)
+            if view is None and all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
+                                    for p in group):
+                self._rehome_expert_weights((kind,))
+                view = _experts_view(group, shape)
+            if view is None:
+                raise RuntimeError(
+                    f"epflow: the experts' {kind} weights are not equally spaced in one "
+                    "allocation (EPFlow reads them in place, with no per-step copy); something "
+                    "placed them unevenly (e.g. padding between experts in a distributed "
+                    "optimizer's buffer)")
+            views.append(view)
+        return views
 
     def _main_grads(self, params):
         grads = [getattr(p, "main_grad", None) for p in params]

@@ -1,0 +1,164 @@
+# EPFlow as Megatron-Core's MoE layer (epflow.integrations.megatron). CPU: the routing's
+# conversion and its gradient, the settings refused, the spec rewrite, the layer's construction
+# (its experts' weights re-homed as views of one tensor per kind, Megatron's state dict keys).
+# GPU: tests/python/run_megatron.py under torchrun (EP = 1, and EP = 2 with two GPUs) against
+# Megatron's own MoELayer and an fp32 copy of it. Megatron-Core needs Python >= 3.12: on older
+# Pythons (the development machines and CI) the whole module skips and says so.
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+megatron_core = pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed (it needs Python >= 3.12): the "
+    "Megatron-Core integration tests skip")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec, get_gpt_layer_local_spec)
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from epflow.integrations.megatron import (  # noqa: E402
+    EPFlowMoELayer, routing_to_topk, unsupported_settings, use_epflow)
+
+H, I, E, K = 256, 192, 8, 4
+
+
+def _config(**overrides):
+    kw = dict(num_layers=2, hidden_size=H, num_attention_heads=4, num_moe_experts=E,
+              moe_router_topk=K, moe_ffn_hidden_size=I, ffn_hidden_size=I,
+              gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+              bias_activation_fusion=False, use_cpu_initialization=True,
+              moe_token_dispatcher_type="allgather", params_dtype=torch.bfloat16, bf16=True)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+@pytest.fixture(scope="module")
+def model_parallel():
+    """A one-rank process group (gloo) and Megatron's parallel state over it, torn down after."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialized in this process")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.cpu
+def test_routing_to_topk_keeps_every_routed_expert_and_its_gradient():
+    g = torch.Generator().manual_seed(3)
+    T = 37
+    scores = torch.rand(T, E, generator=g)
+    routing_map = torch.zeros(T, E, dtype=torch.bool)
+    for t in range(T):
+        n = t % (K + 1)  # 0 .. K experts: dropped tokens leave slots empty
+        routing_map[t, torch.randperm(E, generator=g)[:n]] = True
+    probs = (scores * routing_map).requires_grad_(True)
+    idx, w = routing_to_topk(probs, routing_map, K)
+    assert idx.dtype == torch.int32 and w.dtype == torch.float32 and idx.shape == (T, K)
+    for t in range(T):
+        experts = sorted(torch.nonzero(routing_map[t]).flatten().tolist())
+        assert idx[t].tolist() == experts + [-1] * (K - len(experts))
+        assert w[t, :len(experts)].tolist() == probs[t, experts].tolist()
+        assert (w[t, len(experts):] == 0).all()
+    upstream = torch.rand(T, K, generator=g)
+    w.backward(upstream)
+    want = torch.zeros(T, E)
+    for t in range(T):
+        for k in range(K):
+            if idx[t, k] >= 0:
+                want[t, idx[t, k]] += upstream[t, k]
+    assert torch.equal(probs.grad, want)
+
+
+@pytest.mark.cpu
+def test_unsupported_settings_are_named():
+    assert unsupported_settings(_config()) == []
+    bad = unsupported_settings(_config(activation_func=F.gelu, add_bias_linear=True,
+                                       moe_token_dispatcher_type="flex"))
+    joined = " ".join(bad)
+    for name in ("activation_func", "add_bias_linear", "moe_token_dispatcher_type"):
+        assert name in joined, joined
+
+
+@pytest.mark.cpu
+def test_use_epflow_replaces_only_the_moe_layers(model_parallel):
+    layer = use_epflow(get_gpt_layer_local_spec(num_experts=E), max_tokens_per_rank=64,
+                       comm_sms=2)
+    assert layer.submodules.mlp.func is EPFlowMoELayer
+    assert layer.submodules.mlp.keywords["epflow_options"] == {"comm_sms": 2}
+    block = use_epflow(get_gpt_decoder_block_spec(_config(moe_layer_freq=[0, 1]),
+                                                  use_transformer_engine=False),
+                       max_tokens_per_rank=64)
+    mlps = [s.submodules.mlp for s in block.layer_specs]
+    assert getattr(mlps[0], "func", None) is not EPFlowMoELayer
+    assert mlps[1].func is EPFlowMoELayer
+    with pytest.raises(TypeError, match="transformer layer or block spec"):
+        use_epflow(object(), max_tokens_per_rank=64)
+
+
+@pytest.mark.cpu
+def test_construction_rehomes_the_experts_and_keeps_megatrons_keys(model_parallel):
+    spec = get_gpt_layer_local_spec(num_experts=E)
+    torch.manual_seed(0)
+    megatron = spec.submodules.mlp(config=_config(), pg_collection=None, is_mtp_layer=False)
+    ours = use_epflow(spec, max_tokens_per_rank=64).submodules.mlp(
+        config=_config(), pg_collection=None, is_mtp_layer=False)
+    missing, unexpected = ours.load_state_dict(megatron.state_dict(), strict=False)
+    assert not missing and not unexpected
+    assert set(ours.state_dict()) == set(megatron.state_dict())
+    fc1, fc2 = ours._expert_weights(ours._expert_params())
+    assert fc1.shape == (E, 2 * I, H) and fc1.stride() == (2 * I * H, H, 1)
+    assert fc2.shape == (E, H, I) and fc2.stride() == (H * I, I, 1)
+    for e, expert in enumerate(megatron.experts.local_experts):
+        assert torch.equal(fc1[e], expert.linear_fc1.weight)
+        assert torch.equal(fc2[e], expert.linear_fc2.weight)
+    # Parameters moved into tensors of their own are re-homed again (once, not per step).
+    for expert in ours.experts.local_experts:
+        expert.linear_fc1.weight.data = expert.linear_fc1.weight.data.clone()
+    again, _ = ours._expert_weights(ours._expert_params())
+    assert torch.equal(again, fc1) and again.stride() == fc1.stride()
+
+
+@pytest.mark.cpu
+def test_refused_settings_fail_at_construction(model_parallel):
+    spec = use_epflow(get_gpt_layer_local_spec(num_experts=E), max_tokens_per_rank=64)
+    with pytest.raises(ValueError, match="add_bias_linear"):
+        spec.submodules.mlp(config=_config(add_bias_linear=True), pg_collection=None,
+                            is_mtp_layer=False)
+
+
+def _torchrun(nproc):
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+    torchrun = shutil.which("torchrun")
+    cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
+        "--standalone", "--nproc_per_node", str(nproc), os.path.join(here, "run_megatron.py")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    print(r.stdout)
+    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    for rank in range(nproc):
+        assert f"MEGATRON OK rank {rank}" in r.stdout
+
+
+@pytest.mark.gpu
+def test_matches_megatron_ep1():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    _torchrun(1)
+
+
+@pytest.mark.gpu
+def test_matches_megatron_ep2():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("EP = 2 needs two GPUs")
+    _torchrun(2)
