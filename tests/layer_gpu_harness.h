@@ -99,16 +99,84 @@ struct LayerRunResult {
       return Status(StatusCode::kCudaError, std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
+// How a test lays out one rank's expert matrices (weights or their gradients) in device memory;
+// the layer reads and writes the strided ones in place through ExpertWeights' / BackwardArgs'
+// expert strides.
+enum class ExpertLayout {
+  kPacked,       // gate, up and down each [E, rows, cols], densely packed
+  kFusedGateUp,  // Megatron-Core's linear_fc1: each expert's gate rows, then its up rows, in one
+                 // [E, 2I, H] buffer; down with 64 elements between experts
+  kDdpReversed,  // Megatron-Core's DDP buffer: one buffer, the last expert first, each expert's
+                 // down (fc2) then its gate | up (fc1): negative expert strides
+};
+
+// Where matrix i (0 gate, 1 up, 2 down) of expert e lies: element offset[i] + e * stride[i] of
+// buffer slot[i], rows * cols (matrix[i]) elements in a row.
+struct ExpertPlacement {
+  int slot[3];
+  int64_t offset[3], stride[3], matrix[3];
+  int64_t slot_elems[3];  // 0: slot unused
+  int64_t at(int i, int64_t e) const { return offset[i] + e * stride[i]; }
+  bool packed() const { return slot[1] == 1 && stride[0] == matrix[0] && stride[2] == matrix[2]; }
+};
+
+inline ExpertPlacement place_experts(ExpertLayout layout, int64_t E, int64_t H, int64_t I) {
+  const int64_t IH = I * H;
+  ExpertPlacement p{};
+  switch (layout) {
+    case ExpertLayout::kPacked:
+      p = {{0, 1, 2}, {0, 0, 0}, {IH, IH, IH}, {IH, IH, IH}, {E * IH, E * IH, E * IH}};
+      break;
+    case ExpertLayout::kFusedGateUp:
+      p = {{0, 0, 2}, {0, IH, 0}, {2 * IH, 2 * IH, IH + 64}, {IH, IH, IH},
+           {E * 2 * IH, 0, E * (IH + 64)}};
+      break;
+    case ExpertLayout::kDdpReversed: {
+      const int64_t S = 3 * IH, last = (E - 1) * S;  // down, then gate | up, per expert
+      p = {{0, 0, 0}, {last + IH, last + 2 * IH, last}, {-S, -S, -S}, {IH, IH, IH},
+           {E * S, 0, 0}};
+      break;
+    }
+  }
+  return p;
+}
+
+// `base` [slot] + expert 0's offset of each matrix, and the placement's strides (0: packed).
+inline ExpertWeights placed_weights(const ExpertPlacement& p, __nv_bfloat16* const base[3]) {
+  ExpertWeights w = {base[p.slot[0]] + p.offset[0], base[p.slot[1]] + p.offset[1],
+                     base[p.slot[2]] + p.offset[2]};
+  if (!p.packed()) {
+    w.gate_expert_stride = p.stride[0];
+    w.up_expert_stride = p.stride[1];
+    w.down_expert_stride = p.stride[2];
+  }
+  return w;
+}
+
+// Allocates the placement's buffers (base[slot]) and copies into them each expert's matrices of
+// host[i] (E matrices densely packed, gate, up, down).
+inline Status upload_experts(const ExpertPlacement& p, const std::vector<__nv_bfloat16>* host[3],
+                             __nv_bfloat16* base[3]) {
+  for (int s = 0; s < 3; ++s) {
+    base[s] = nullptr;
+    if (p.slot_elems[s] > 0) EPFLOW_TRY_CUDA(cudaMalloc(&base[s], p.slot_elems[s] * 2));
+  }
+  for (int i = 0; i < 3; ++i)
+    for (int64_t e = 0; e < static_cast<int64_t>(host[i]->size()) / p.matrix[i]; ++e)
+      EPFLOW_TRY_CUDA(cudaMemcpy(base[p.slot[i]] + p.at(i, e), host[i]->data() + e * p.matrix[i],
+                                 p.matrix[i] * 2, cudaMemcpyHostToDevice));
+  return Status::ok_status();
+}
+
 struct RunOptions {
   bool unfused = false;     // the unfused chain (bench/unfused) instead of the megakernel
   bool cuda_graph = false;  // capture each call in a CUDA graph, then replay it twice
   // Run each call this many times back to back (not with cuda_graph); every output must be
   // bit-identical to the first (the layer is deterministic), which is the one returned.
   int repeat = 1;
-  // Megatron-Core's layouts, read in place through the expert strides: each expert's gate rows,
-  // then its up rows, in one [E, 2I, H] buffer (linear_fc1); down with 64 elements between
-  // experts. (FP8 layers quantize from them.)
-  bool strided_experts = false;
+  // Where the expert weights lie (the strided layouts read in place; FP8 layers quantize from
+  // them).
+  ExpertLayout weights = ExpertLayout::kPacked;
 };
 
 // Runs every call in order on one Layer per rank (so repeated calls reuse the workspace).
@@ -129,28 +197,14 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       layer->set_forward_executor(std::move(unfused));
     }
     const auto& ex = experts[rank];
-    const int64_t E = c.experts_per_rank(), IH = c.intermediate * c.hidden;
-    const bool fused = options.strided_experts;
-    // Matrix i (gate, up, down): expert e's at element offset[i] + e * stride[i] of buffer
-    // w[slot[i]].
-    const int64_t stride[3] = {fused ? 2 * IH : IH, fused ? 2 * IH : IH, fused ? IH + 64 : IH};
-    const int64_t offset[3] = {0, fused ? IH : 0, 0};
-    const int slot[3] = {0, fused ? 0 : 1, 2};
-    std::vector<__nv_bfloat16*> w(3, nullptr);
-    const std::vector<float>* host_w[3] = {&ex.gate, &ex.up, &ex.down};
-    for (int i = 0; i < 3; ++i) {
-      if (slot[i] == i) EPFLOW_TRY_CUDA(cudaMalloc(&w[i], E * stride[i] * 2));
-      const auto b = to_bf16(*host_w[i]);
-      EPFLOW_TRY_CUDA(cudaMemcpy2D(w[slot[i]] + offset[i], stride[i] * 2, b.data(), IH * 2,
-                                   IH * 2, E, cudaMemcpyHostToDevice));
-    }
-    ExpertWeights weights = {w[slot[0]] + offset[0], w[slot[1]] + offset[1],
-                             w[slot[2]] + offset[2]};
-    if (fused) {
-      weights.gate_expert_stride = stride[0];
-      weights.up_expert_stride = stride[1];
-      weights.down_expert_stride = stride[2];
-    }
+    const ExpertPlacement place =
+        place_experts(options.weights, c.experts_per_rank(), c.hidden, c.intermediate);
+    const std::vector<__nv_bfloat16> bf16[3] = {to_bf16(ex.gate), to_bf16(ex.up),
+                                                to_bf16(ex.down)};
+    const std::vector<__nv_bfloat16>* host_w[3] = {&bf16[0], &bf16[1], &bf16[2]};
+    __nv_bfloat16* w[3];
+    if (Status s = upload_experts(place, host_w, w); !s.ok()) return s;
+    ExpertWeights weights = placed_weights(place, w);
     void* fp8_buffer = nullptr;
     if (c.dtype == DType::kFP8Blockwise) {
       const int64_t bytes = fp8_expert_weights_bytes(c);
@@ -235,8 +289,8 @@ inline Status run_layer(const LayerConfig& base, const std::vector<reference::Ra
       for (int64_t i = 0; i < T * H; ++i) out[i] = __bfloat162float(yb[i]);
     }
     layer.reset();
-    for (int i = 0; i < 3; ++i)
-      if (slot[i] == i) cudaFree(w[i]);
+    for (__nv_bfloat16* p : w)
+      if (p) cudaFree(p);
     if (fp8_buffer) cudaFree(fp8_buffer);
     cudaFree(x);
     cudaFree(y);

@@ -19,8 +19,10 @@ namespace epflow {
 // `gate + e * gate_expert_stride` (likewise up and down; in elements, 0: right after expert
 // e - 1's, densely packed), so the weights are read in place from fused storage: Megatron-Core's
 // linear_fc1 [E_local, 2I, H] (gate rows, then up rows) is gate = fc1, up = fc1 + I * H with
-// both strides 2 * I * H. A stride is 0 or at least its matrix's size and a multiple of 8
-// (16 bytes); the pointers are 16-byte aligned.
+// both strides 2 * I * H. A negative stride lays the experts out from the last to the first
+// (Megatron-Core's DDP buffers hold parameters and gradients in reverse order). A stride is 0 or
+// at least its matrix's size either way and a multiple of 8 (16 bytes); the pointers (expert 0's
+// matrices) are 16-byte aligned.
 // FP8 layers (LayerConfig::dtype = kFP8Blockwise) read `fp8` instead: the same matrices as e4m3
 // bytes (OCP E4M3FN) in the same layouts, and one fp32 scale per 128 x 128 block, row-major over
 // the blocks: gate and up scales [E_local, I / 128, H / 128], down [E_local, H / 128, I / 128];
@@ -93,9 +95,9 @@ struct BackwardArgs {
   __nv_bfloat16* dx = nullptr;            // [T, H] out
   float* d_topk_weights = nullptr;        // [T, K] out; 0 for empty slots
   // This rank's weight gradients, same layouts as ExpertWeights, in grad_dtype, expert e's at
-  // d_gate + e * d_gate_expert_stride elements (likewise up and down; 0: densely packed; at least
-  // the matrix's size, 16 bytes' multiple). Megatron-Core's main_grad of a fused linear_fc1:
-  // d_gate = main_grad, d_up = main_grad + I * H, strides 2 * I * H.
+  // d_gate + e * d_gate_expert_stride elements (likewise up and down; 0: densely packed;
+  // negative: from the last expert to the first; at least the matrix's size either way, a
+  // 16-byte multiple): written in place into Megatron-Core's main_grad views, say.
   void* d_gate = nullptr;
   void* d_up = nullptr;
   void* d_down = nullptr;

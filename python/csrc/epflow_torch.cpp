@@ -18,20 +18,26 @@
 //       epflow::quantize_expert_weights of bf16 weights on the current stream (FP8 handles):
 //       e4m3 as uint8 in the weights' shapes, fp32 scales [E, I/128, H/128] (gate, up) and
 //       [E, H/128, I/128] (down), views of one new buffer.
-//     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer) -> Context
+//     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer,
+//                    weights_reversed) -> Context
 //       Layer::forward into the caller's y [T, H] bf16, keeping what its backward reads in
 //       `buffer` (uint8, Handle.saved_context_bytes() bytes, the caller's: autograd saves it
 //       like any activation, so activation checkpointing can drop and recompute it); any number
-//       of contexts may be in flight.
+//       of contexts may be in flight. Weights [E, rows, cols] may be expert-strided views (each
+//       expert's matrix contiguous, e.g. gate and up halves of a fused [E, 2I, H]), read in
+//       place; weights_reversed: their rows list the experts from the last to the first (memory
+//       order of a buffer that holds them in reverse, as Megatron-Core's DDP does).
 //     .backward(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down)
 //         -> (dx, d_topk_weights, d_w_gate, d_w_up, d_w_down)
 //       Layer::backward of that context, given its buffer and its forward's inputs (the same
 //       values: a recomputed copy is fine); bf16 weight gradients (the parameters' dtype), fp32
 //       d_topk_weights. A context serves one backward; a second is refused with an error.
 //     .backward_out(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down,
-//                   dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, accumulate)
+//                   dx, d_topk_weights, d_w_gate, d_w_up, d_w_down, accumulate,
+//                   weights_reversed, grads_reversed)
 //       the same, into the caller's tensors: dx and d_topk_weights overwritten; the weight
-//       gradients (all bf16 or all fp32) overwritten, or added to with accumulate (gradient
+//       gradients (all bf16 or all fp32; expert-strided views written in place, in reverse
+//       expert order with grads_reversed) overwritten, or added to with accumulate (gradient
 //       accumulation in place, as Megatron-Core's main_grad fusion does).
 //     .memory() -> [symmetric, ring, schedule, backward] bytes its workspace holds;
 //     .saved_context_bytes() -> bytes of one forward's context.
@@ -249,7 +255,7 @@ class Handle : public torch::CustomClassHolder {
                                             const at::Tensor& topk_weights,
                                             const at::Tensor& w_gate, const at::Tensor& w_up,
                                             const at::Tensor& w_down, at::Tensor y,
-                                            at::Tensor buffer);
+                                            at::Tensor buffer, bool weights_reversed);
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       const c10::intrusive_ptr<Context>& context, const at::Tensor& buffer, const at::Tensor& dy,
       const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
@@ -259,7 +265,8 @@ class Handle : public torch::CustomClassHolder {
                     const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                     const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
                     at::Tensor dx, at::Tensor d_topk_weights, at::Tensor d_gate, at::Tensor d_up,
-                    at::Tensor d_down, bool accumulate);
+                    at::Tensor d_down, bool accumulate, bool weights_reversed,
+                    bool grads_reversed);
 
  private:
   c10::intrusive_ptr<Workspace> workspace_;
@@ -328,6 +335,22 @@ int64_t check_expert_matrices(const at::Tensor& t, const char* name, at::ScalarT
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "epflow: ", name,
               " must start at a 16-byte aligned address");
   return shape[0] == 1 ? 0 : t.stride(0);
+}
+
+// A checked expert-matrices tensor for the C++ API: where expert 0's matrix starts and the
+// signed expert stride. Expert e is the tensor's row e, or row E - 1 - e with `reversed` (the
+// tensor in memory order of experts laid out from the last to the first, as Megatron-Core's DDP
+// buffers hold them; torch has no negative strides).
+struct ExpertMatrices {
+  void* ptr;
+  int64_t stride;
+};
+ExpertMatrices expert_matrices(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                               at::IntArrayRef shape, const at::Device& device, bool reversed) {
+  const int64_t stride = check_expert_matrices(t, name, dtype, shape, device);
+  if (!reversed || shape[0] <= 1) return {t.data_ptr(), stride};
+  const int64_t step = stride == 0 ? shape[1] * shape[2] : stride;
+  return {static_cast<char*>(t.data_ptr()) + (shape[0] - 1) * step * t.element_size(), -step};
 }
 
 // The byte ranges a checked tensor covers, ascending: one for a contiguous tensor, one per
@@ -404,26 +427,31 @@ ForwardCall token_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_id
 }
 
 // This rank's bf16 expert weights of layer config c, checked ([E, I, H], [E, I, H], [E, H, I];
-// expert-strided views read in place).
+// expert-strided views read in place; `reversed`: see expert_matrices).
 epflow::ExpertWeights bf16_expert_weights(const epflow::LayerConfig& c, const at::Tensor& w_gate,
                                           const at::Tensor& w_up, const at::Tensor& w_down,
-                                          const at::Device& device) {
+                                          const at::Device& device, bool reversed = false) {
   const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
+  const auto gate = expert_matrices(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device, reversed);
+  const auto up = expert_matrices(w_up, "w_up", at::kBFloat16, {E, I, H}, device, reversed);
+  const auto down = expert_matrices(w_down, "w_down", at::kBFloat16, {E, H, I}, device, reversed);
   epflow::ExpertWeights w;
-  w.gate_expert_stride = check_expert_matrices(w_gate, "w_gate", at::kBFloat16, {E, I, H}, device);
-  w.up_expert_stride = check_expert_matrices(w_up, "w_up", at::kBFloat16, {E, I, H}, device);
-  w.down_expert_stride = check_expert_matrices(w_down, "w_down", at::kBFloat16, {E, H, I}, device);
-  w.gate = reinterpret_cast<const __nv_bfloat16*>(w_gate.data_ptr());
-  w.up = reinterpret_cast<const __nv_bfloat16*>(w_up.data_ptr());
-  w.down = reinterpret_cast<const __nv_bfloat16*>(w_down.data_ptr());
+  w.gate = static_cast<const __nv_bfloat16*>(gate.ptr);
+  w.up = static_cast<const __nv_bfloat16*>(up.ptr);
+  w.down = static_cast<const __nv_bfloat16*>(down.ptr);
+  w.gate_expert_stride = gate.stride;
+  w.up_expert_stride = up.stride;
+  w.down_expert_stride = down.stride;
   return w;
 }
 
 ForwardCall forward_call(Handle& h, const at::Tensor& x, const at::Tensor& topk_idx,
                          const at::Tensor& topk_weights, const at::Tensor& w_gate,
-                         const at::Tensor& w_up, const at::Tensor& w_down) {
+                         const at::Tensor& w_up, const at::Tensor& w_down,
+                         bool weights_reversed = false) {
   ForwardCall call = token_call(h, x, topk_idx, topk_weights, "epflow.moe_forward");
-  call.args.weights = bf16_expert_weights(h.config(), w_gate, w_up, w_down, call.device);
+  call.args.weights =
+      bf16_expert_weights(h.config(), w_gate, w_up, w_down, call.device, weights_reversed);
   return call;
 }
 
@@ -538,10 +566,11 @@ c10::intrusive_ptr<Context> Handle::forward_train(const at::Tensor& x,
                                                   const at::Tensor& topk_weights,
                                                   const at::Tensor& w_gate, const at::Tensor& w_up,
                                                   const at::Tensor& w_down, at::Tensor y,
-                                                  at::Tensor buffer) {
+                                                  at::Tensor buffer, bool weights_reversed) {
   TORCH_CHECK(config_.with_backward, "EPFlow forward_train: the handle was created without "
               "with_backward (inference only)");
-  ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  ForwardCall call =
+      forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down, weights_reversed);
   bind_y(call, y, x, topk_idx, topk_weights, w_gate, w_up, w_down);
   check_context_buffer(buffer, layer_->saved_context_bytes(), call.device);
   check_output(buffer, "buffer", at::kByte, buffer.sizes(), call.device,
@@ -562,9 +591,10 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
                           const at::Tensor& w_gate, const at::Tensor& w_up,
                           const at::Tensor& w_down, at::Tensor dx, at::Tensor d_topk_weights,
                           at::Tensor d_gate, at::Tensor d_up, at::Tensor d_down,
-                          bool accumulate) {
+                          bool accumulate, bool weights_reversed, bool grads_reversed) {
   // The forward's arguments, checked again (they must be the forward's, unchanged).
-  ForwardCall call = forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down);
+  ForwardCall call =
+      forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down, weights_reversed);
   check_tensor(dy, "dy", at::kBFloat16, x.sizes(), call.device);
   const std::initializer_list<Named> inputs = {
       {"dy", &dy},         {"x", &x},          {"topk_idx", &topk_idx},
@@ -578,12 +608,12 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
   TORCH_CHECK(grad_type == at::kBFloat16 || grad_type == at::kFloat,
               "epflow: weight gradients must be bfloat16 or float32, got ", grad_type);
   // Expert-strided gradients (a fused main_grad's views) are written in place.
-  const int64_t d_gate_stride =
-      check_expert_matrices(d_gate, "d_w_gate", grad_type, w_gate.sizes(), call.device);
-  const int64_t d_up_stride =
-      check_expert_matrices(d_up, "d_w_up", grad_type, w_up.sizes(), call.device);
-  const int64_t d_down_stride =
-      check_expert_matrices(d_down, "d_w_down", grad_type, w_down.sizes(), call.device);
+  const auto dg = expert_matrices(d_gate, "d_w_gate", grad_type, w_gate.sizes(), call.device,
+                                  grads_reversed);
+  const auto du =
+      expert_matrices(d_up, "d_w_up", grad_type, w_up.sizes(), call.device, grads_reversed);
+  const auto dd = expert_matrices(d_down, "d_w_down", grad_type, w_down.sizes(), call.device,
+                                  grads_reversed);
   check_no_overlap(d_gate, "d_w_gate", inputs);
   check_no_overlap(d_up, "d_w_up", inputs);
   check_no_overlap(d_down, "d_w_down", inputs);
@@ -612,12 +642,12 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
   b.dy = reinterpret_cast<const __nv_bfloat16*>(dy.data_ptr());
   b.dx = reinterpret_cast<__nv_bfloat16*>(dx.data_ptr());
   b.d_topk_weights = d_topk_weights.data_ptr<float>();
-  b.d_gate = d_gate.data_ptr();
-  b.d_up = d_up.data_ptr();
-  b.d_down = d_down.data_ptr();
-  b.d_gate_expert_stride = d_gate_stride;
-  b.d_up_expert_stride = d_up_stride;
-  b.d_down_expert_stride = d_down_stride;
+  b.d_gate = dg.ptr;
+  b.d_up = du.ptr;
+  b.d_down = dd.ptr;
+  b.d_gate_expert_stride = dg.stride;
+  b.d_up_expert_stride = du.stride;
+  b.d_down_expert_stride = dd.stride;
   b.grad_dtype = grad_type == at::kFloat ? epflow::GradDType::kFP32 : epflow::GradDType::kBF16;
   b.accumulate_weight_grads = accumulate;
   check_status(layer_->backward(b, saved, current_stream(call.device)), "backward");
@@ -633,7 +663,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> Handle::b
   at::Tensor d_gate = at::empty_like(w_gate, contiguous), d_up = at::empty_like(w_up, contiguous);
   at::Tensor d_down = at::empty_like(w_down, contiguous);
   backward_out(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down, dx,
-               d_topk_weights, d_gate, d_up, d_down, /*accumulate=*/false);
+               d_topk_weights, d_gate, d_up, d_down, /*accumulate=*/false,
+               /*weights_reversed=*/false, /*grads_reversed=*/false);
   return {dx, d_topk_weights, d_gate, d_up, d_down};
 }
 

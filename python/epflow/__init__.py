@@ -229,7 +229,8 @@ class _MoEFunction(torch.autograd.Function):
     def forward(ctx, handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, w_down):
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
         buffer = torch.empty(handle.saved_context_bytes(), dtype=torch.uint8, device=x.device)
-        context = handle.forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer)
+        context = handle.forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer,
+                                       False)
         ctx.handle, ctx.context = handle, context
         ctx.params = (w_gate, w_up, w_down) if fuse_grads else None
         ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down, buffer)
@@ -248,7 +249,7 @@ class _MoEFunction(torch.autograd.Function):
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         dw = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)
         ctx.handle.backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx, topk_weights,
-                                *weights, dx, dw, *targets, accumulate)
+                                *weights, dx, dw, *targets, accumulate, False, False)
         return None, None, dx, None, dw, None, None, None
 
 

@@ -17,16 +17,18 @@ Status require(bool ok, const char* what) {
 }
 
 // One matrix kind of this rank's experts (or of their gradients): `rows` x `cols` elements of
-// elem_bytes each, expert e's at p + e * stride elements. The kernels read and write them
-// through TMA, which needs 16-byte aligned starts and strides.
+// elem_bytes each, expert e's at p + e * stride elements (a negative stride: the experts laid out
+// from the last to the first). The kernels read and write them through TMA, which needs 16-byte
+// aligned starts and strides.
 Status check_expert_matrices(const char* name, const void* p, int64_t stride, int64_t rows,
                              int64_t cols, int64_t elem_bytes) {
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
     return invalid_argument(name, " must start at a 16-byte aligned address");
-  if (stride != 0 && (stride < rows * cols || stride * elem_bytes % 16 != 0))
+  const int64_t step = stride < 0 ? -stride : stride;
+  if (stride != 0 && (step < rows * cols || step * elem_bytes % 16 != 0))
     return invalid_argument(name, "'s expert stride (", stride, " elements) must be 0 (densely "
-                            "packed) or at least the matrix's ", rows * cols, " elements and a "
-                            "multiple of 16 bytes");
+                            "packed) or at least the matrix's ", rows * cols, " elements either "
+                            "way and a multiple of 16 bytes");
   return Status::ok_status();
 }
 

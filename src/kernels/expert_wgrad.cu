@@ -22,6 +22,7 @@ struct WgradParams {
   const int32_t* expert_rows;  // optional: K ends at the first 64-row block past the real rows
   int32_t experts, m_tiles, n_tiles;
   bool accumulate;  // dw += lhsᵀ rhs (a TMA reduce-add) instead of dw = lhsᵀ rhs (a TMA store)
+  gemm::ExpertOrder dw_order;
 };
 
 // The output tile of a consumer warpgroup (64 rows x 256 columns) goes through its staging
@@ -39,6 +40,7 @@ struct WgradSink {
   static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(T));  // a 128-byte swizzle span
   static_assert(gemm::kStagingBytes<Epilogue::kStore> == 64 * kPassCols * sizeof(T));
   const CUtensorMap* map_dw = nullptr;
+  gemm::ExpertOrder dw_order;
   uint8_t* staging = nullptr;  // this warpgroup's
   bool accumulate = false;
   gemm::TileCoord c;
@@ -69,14 +71,14 @@ struct WgradSink {
     ptx::fence_shared_to_async_proxy();
     ptx::named_barrier_sync(1 + wg, 128);
     if (tid == 0) {
-      const int32_t row = c.m_tile * kTileRows + wg * 64;
+      const int32_t row = c.m_tile * kTileRows + wg * 64, expert = dw_order(c.expert);
 #pragma unroll
       for (int box = 0; box < kPassCols / kBoxCols; ++box) {
         const int32_t col = c.n_tile * kTileCols + pass * kPassCols + box * kBoxCols;
         if (accumulate)
-          ptx::tma_reduce_add_3d(map_dw, staging + box * 64 * 128, col, row, c.expert);
+          ptx::tma_reduce_add_3d(map_dw, staging + box * 64 * 128, col, row, expert);
         else
-          ptx::tma_store_3d(map_dw, staging + box * 64 * 128, col, row, c.expert);
+          ptx::tma_store_3d(map_dw, staging + box * 64 * 128, col, row, expert);
       }
       ptx::tma_store_commit();
     }
@@ -148,6 +150,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     ptx::warpgroup_reg_alloc<232>();
     Sink sink;
     sink.map_dw = &map_dw;
+    sink.dw_order = p.dw_order;
     sink.staging = s.out[wg - 1];
     sink.accumulate = p.accumulate;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -180,20 +183,20 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
   const uint64_t lhs_dims[2] = {uint64_t(a.m), rows}, rhs_dims[2] = {uint64_t(a.n), rows};
   const uint64_t lhs_strides[1] = {uint64_t(lhs_ld) * 2}, rhs_strides[1] = {uint64_t(rhs_ld) * 2};
   const uint64_t dw_dims[3] = {uint64_t(a.n), uint64_t(a.m), uint64_t(seg.experts)};
-  const uint64_t dw_elem = a.fp32_out ? 4 : 2;
-  const uint64_t dw_strides[2] = {
-      uint64_t(a.n) * dw_elem,
-      uint64_t(a.dw_expert_stride == 0 ? a.m * a.n : a.dw_expert_stride) * dw_elem};
+  const int64_t dw_elem = a.fp32_out ? 4 : 2;
+  WgradParams p;
+  uint64_t dw_strides[2] = {uint64_t(a.n * dw_elem), 0};
+  const void* dw = gemm::expert_map_base(a.dw, seg.experts, a.m * a.n, dw_elem,
+                                         a.dw_expert_stride, &dw_strides[1], &p.dw_order);
   const uint32_t box2[2] = {64, kBlockK};
   const uint32_t dw_box[3] = {a.fp32_out ? 32u : 64u, 64, 1};  // 128-byte rows of the staging
   CUtensorMap map_lhs, map_rhs, map_dw;
   if (!encode_bf16_tensor_map(&map_lhs, a.lhs, 2, lhs_dims, box2, lhs_strides).ok() ||
       !encode_bf16_tensor_map(&map_rhs, a.rhs, 2, rhs_dims, box2, rhs_strides).ok() ||
-      !(a.fp32_out ? encode_f32_tensor_map(&map_dw, a.dw, 3, dw_dims, dw_box, dw_strides)
-                   : encode_bf16_tensor_map(&map_dw, a.dw, 3, dw_dims, dw_box, dw_strides))
+      !(a.fp32_out ? encode_f32_tensor_map(&map_dw, dw, 3, dw_dims, dw_box, dw_strides)
+                   : encode_bf16_tensor_map(&map_dw, dw, 3, dw_dims, dw_box, dw_strides))
            .ok())
     return cudaErrorInvalidValue;
-  WgradParams p;
   p.seg_offset = seg.seg_offset;
   p.expert_rows = seg.expert_rows;
   p.experts = seg.experts;

@@ -46,7 +46,9 @@ struct ExpertWgradArgs {
   const __nv_bfloat16* rhs = nullptr;   // [max_rows, rhs_ld], the first n columns used
   int64_t lhs_ld = 0, rhs_ld = 0;       // row strides in elements (0: m, n); multiples of 8
   void* dw = nullptr;                   // [experts, m, n], bf16 or (fp32_out) float
-  int64_t dw_expert_stride = 0;         // elements between experts' dw (0: m * n); 16-byte multiple
+  // Elements from dw[e] to dw[e + 1] (0: m * n; negative: experts laid out from the last to the
+  // first); a 16-byte multiple.
+  int64_t dw_expert_stride = 0;
   bool fp32_out = false;
   bool accumulate = false;              // dw += lhsᵀ rhs instead of dw = lhsᵀ rhs
   int32_t max_ctas = 0;  // 0: one CTA per SM; fewer leaves SMs to a kernel running beside it

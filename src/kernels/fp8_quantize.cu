@@ -190,8 +190,9 @@ cudaError_t launch_quantize_blocks_128x128(const __nv_bfloat16* w, int64_t matri
                                            int64_t cols, bool pow2, uint8_t* q, float* scales,
                                            cudaStream_t stream, int64_t w_stride) {
   if (w_stride == 0) w_stride = rows * cols;
-  if (matrices < 0 || rows <= 0 || cols <= 0 || matrices > 65535 || w_stride < rows * cols ||
-      w_stride % 8 != 0 || (matrices > 0 && (!w || !q || !scales)))
+  if (matrices < 0 || rows <= 0 || cols <= 0 || matrices > 65535 ||
+      (w_stride < 0 ? -w_stride : w_stride) < rows * cols || w_stride % 8 != 0 ||
+      (matrices > 0 && (!w || !q || !scales)))
     return cudaErrorInvalidValue;
   if (matrices == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((cols + fp8::kBlock - 1) / fp8::kBlock),

@@ -21,6 +21,7 @@ struct RecomputeParams {
   const int32_t* expert_rows;
   int32_t experts, half_tiles, k_blocks;  // half_tiles: n tiles of one matrix
   int32_t first_tile;
+  gemm::ExpertOrder gate_order, up_order;
 };
 
 struct OverflowStoreSink : gemm::DirectStoreSink<Epilogue::kStore> {
@@ -79,8 +80,10 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       const gemm::TileCoord c = recompute_tile(p, t, m_tiles, &matrix);
       const CUtensorMap* w = matrix == 0 ? &map_gate : &map_up;
+      const gemm::ExpertOrder order = matrix == 0 ? p.gate_order : p.up_order;
       gemm::produce_tile<Epilogue::kStore, kStages, gemm::kStagingBytes<Epilogue::kStore>>(
-          s, ps, c, p.k_blocks, &map_a, &map_a_rows, w, w);
+          s, ps, c, p.k_blocks, &map_a, &map_a_rows, w, w, {}, 0, 0, {},
+          gemm::WeightOrders{order, order});
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
@@ -109,17 +112,18 @@ cudaError_t launch_gate_up_recompute(const GateUpRecomputeArgs& a, int32_t sm_co
   const int64_t out_rows = a.max_rows - a.first_row;
   if (out_rows == 0) return cudaSuccess;
   CUtensorMap map_a, map_a_rows, map_gate, map_up, map_out;
+  RecomputeParams p;
   // out as [rows, 2, I]: (column, matrix, row), boxes of 64 columns x 1 x 64 rows.
   const uint64_t out_dims[3] = {uint64_t(I), 2, uint64_t(out_rows)};
   const uint64_t out_strides[2] = {uint64_t(I) * 2, uint64_t(I) * 4};
   const uint32_t out_box[3] = {64, 1, 64};
   if (!gemm::encode_row_operand_maps(a.rows, H, a.max_rows, &map_a, &map_a_rows) ||
       !gemm::encode_weight_map(a.w_gate, a.experts, I, H, kTileCols, &map_gate,
-                               a.w_gate_stride) ||
-      !gemm::encode_weight_map(a.w_up, a.experts, I, H, kTileCols, &map_up, a.w_up_stride) ||
+                               a.w_gate_stride, &p.gate_order) ||
+      !gemm::encode_weight_map(a.w_up, a.experts, I, H, kTileCols, &map_up, a.w_up_stride,
+                               &p.up_order) ||
       !encode_bf16_tensor_map(&map_out, a.out, 3, out_dims, out_box, out_strides).ok())
     return cudaErrorInvalidValue;
-  RecomputeParams p;
   p.seg_offset = a.seg_offset;
   p.expert_rows = a.expert_rows;
   p.experts = a.experts;

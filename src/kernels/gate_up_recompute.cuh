@@ -42,7 +42,9 @@ struct GateUpRecomputeArgs {
   const __nv_bfloat16* rows = nullptr;    // [max_rows, H]
   const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
   const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]
-  int64_t w_gate_stride = 0, w_up_stride = 0;  // elements between experts (0: densely packed)
+  // Elements from one expert's matrix to the next one's (0: densely packed; negative: experts
+  // laid out from the last to the first).
+  int64_t w_gate_stride = 0, w_up_stride = 0;
   __nv_bfloat16* out = nullptr;           // [max_rows - first_row, 2I]
 };
 cudaError_t launch_gate_up_recompute(const GateUpRecomputeArgs& args, int32_t sm_count,

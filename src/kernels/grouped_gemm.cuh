@@ -154,6 +154,19 @@ struct TileCoord {
   int32_t a_row;  // first row of the tile in the row operand and output tensors
 };
 
+// The expert coordinate of a weight map: expert e's matrix sits at coordinate e, or at last - e
+// in a map of experts laid out from the last to the first (a negative expert stride: the map
+// starts at the last expert's matrix and runs forward, since TMA strides are positive).
+struct ExpertOrder {
+  int32_t last = -1;  // < 0: in order
+  __host__ __device__ __forceinline__ int32_t operator()(int32_t e) const {
+    return last < 0 ? e : last - e;
+  }
+};
+struct WeightOrders {
+  ExpertOrder b0, b1;  // of produce_tile's map_b0, map_b1
+};
+
 inline constexpr int kRowBoxM = 16;  // granularity of partial row loads (decode-size tiles)
 
 // Direct epilogues: thread (warp w, lane g*4+q) holds, per n8 block j, columns 8j+2q, +1 of its
@@ -250,7 +263,8 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              const CUtensorMap* map_b0, const CUtensorMap* map_b1,
                                              const StageTags& tags = {}, int64_t task_id = 0,
                                              int32_t b0_k_blocks = 0,
-                                             const Fp8RowScales& row_scales = {}) {
+                                             const Fp8RowScales& row_scales = {},
+                                             const WeightOrders& orders = {}) {
   // tags (a megakernel's dynamic schedule): the tile's tag, written next to its first stage for
   // the consumers to read once that stage is full.
   // NOTES: a full tile loads its 128 rows in one box; a tile with few routed rows (decode
@@ -290,17 +304,20 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
       const bool first = b0_k_blocks == 0 || kb < b0_k_blocks;
       const CUtensorMap* map_b = first ? map_b0 : map_b1;
       const int32_t k = (first ? kb : kb - b0_k_blocks) * kBlockK;
+      const int32_t expert = first ? orders.b0(c.expert) : orders.b1(c.expert);
 #pragma unroll
       for (int box = 0; box < kTileCols / 64; ++box)
         ptx::tma_load_3d(s.b[ps.stage] + box * 64 * kBlockK * 2, map_b,
-                         c.n_tile * kTileCols + box * 64, k, c.expert, full);
+                         c.n_tile * kTileCols + box * 64, k, expert, full);
     } else if constexpr (kEpi == Epilogue::kSwiGLU) {
       constexpr int kHalf = kTileCols / 2;
-      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kKElems, c.n_tile * kHalf, c.expert, full);
+      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kKElems, c.n_tile * kHalf, orders.b0(c.expert),
+                       full);
       ptx::tma_load_3d(s.b[ps.stage] + kHalf * kBlockK * 2, map_b1, kb * kKElems, c.n_tile * kHalf,
-                       c.expert, full);
+                       orders.b1(c.expert), full);
     } else {
-      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kKElems, c.n_tile * kTileCols, c.expert, full);
+      ptx::tma_load_3d(s.b[ps.stage], map_b0, kb * kKElems, c.n_tile * kTileCols,
+                       orders.b0(c.expert), full);
     }
   }
 }
@@ -714,28 +731,54 @@ inline bool encode_output_map(void* out, int64_t n, int64_t max_rows, CUtensorMa
   const uint32_t box[2] = {64, 64};
   return encode_bf16_tensor_map(map, out, 2, dims, box).ok();
 }
+// Where a map over one matrix per expert starts: expert e's matrix lies at w + e * expert_stride
+// elements of elem_bytes (0: matrix_elems, densely packed). A negative stride (experts laid out
+// from the last to the first) maps from the last expert's matrix forward and sets *order;
+// *stride_bytes is the map's (positive) expert stride.
+inline const void* expert_map_base(const void* w, int64_t experts, int64_t matrix_elems,
+                                   int64_t elem_bytes, int64_t expert_stride,
+                                   uint64_t* stride_bytes, ExpertOrder* order) {
+  if (expert_stride == 0) expert_stride = matrix_elems;
+  *order = {};
+  if (expert_stride > 0) {
+    *stride_bytes = uint64_t(expert_stride * elem_bytes);
+    return w;
+  }
+  order->last = static_cast<int32_t>(experts - 1);
+  *stride_bytes = uint64_t(-expert_stride * elem_bytes);
+  return static_cast<const char*>(w) + (experts - 1) * expert_stride * elem_bytes;
+}
+
 // Expert weights [experts, n, k] (nn.Linear layout per expert) in boxes of box_rows rows; 3-D,
 // so a tile past n reads zeros, never the next expert. Expert e's matrix starts expert_stride
-// elements after expert e - 1's (0: n * k, densely packed; a multiple of 8, 16 bytes). The same
-// weights read N-major (dy W): encode_weight_map_n_major maps [experts, k, n] in boxes of 64 n x
-// 64 k. Gate and up: kTileCols / 2 rows each (a gate/up tile is 128 gate + the same 128 up rows);
-// down: kTileCols.
+// elements after expert 0's (0: n * k, densely packed; a multiple of 8, 16 bytes; negative:
+// *order says so). The same weights read N-major (dy W): encode_weight_map_n_major maps
+// [experts, k, n] in boxes of 64 n x 64 k. Gate and up: kTileCols / 2 rows each (a gate/up tile
+// is 128 gate + the same 128 up rows); down: kTileCols.
 inline bool encode_weight_map(const void* w, int64_t experts, int64_t n, int64_t k,
-                              uint32_t box_rows, CUtensorMap* map, int64_t expert_stride = 0) {
+                              uint32_t box_rows, CUtensorMap* map, int64_t expert_stride = 0,
+                              ExpertOrder* order = nullptr) {
+  ExpertOrder in_order;
+  uint64_t strides[2] = {uint64_t(k) * 2, 0};
+  const void* base = expert_map_base(w, experts, n * k, 2, expert_stride, &strides[1],
+                                     order ? order : &in_order);
+  if (!order && in_order.last >= 0) return false;  // a reversed map needs its order
   const uint64_t dims[3] = {uint64_t(k), uint64_t(n), uint64_t(experts)};
-  const uint64_t strides[2] = {uint64_t(k) * 2,
-                               uint64_t(expert_stride == 0 ? n * k : expert_stride) * 2};
   const uint32_t box[3] = {kBlockK, box_rows, 1};
-  return encode_bf16_tensor_map(map, w, 3, dims, box, strides).ok();
+  return encode_bf16_tensor_map(map, base, 3, dims, box, strides).ok();
 }
 
 inline bool encode_weight_map_n_major(const void* w, int64_t experts, int64_t k, int64_t n,
-                                      CUtensorMap* map, int64_t expert_stride = 0) {
+                                      CUtensorMap* map, int64_t expert_stride = 0,
+                                      ExpertOrder* order = nullptr) {
+  ExpertOrder in_order;
+  uint64_t strides[2] = {uint64_t(n) * 2, 0};
+  const void* base = expert_map_base(w, experts, k * n, 2, expert_stride, &strides[1],
+                                     order ? order : &in_order);
+  if (!order && in_order.last >= 0) return false;
   const uint64_t dims[3] = {uint64_t(n), uint64_t(k), uint64_t(experts)};
-  const uint64_t strides[2] = {uint64_t(n) * 2,
-                               uint64_t(expert_stride == 0 ? k * n : expert_stride) * 2};
   const uint32_t box[3] = {64, kBlockK, 1};
-  return encode_bf16_tensor_map(map, w, 3, dims, box, strides).ok();
+  return encode_bf16_tensor_map(map, base, 3, dims, box, strides).ok();
 }
 
 // Host side: maps the row operand `rows` [max_rows, p.k] and the output `out` [max_rows,

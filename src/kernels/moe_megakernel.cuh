@@ -93,7 +93,8 @@ struct MegakernelArgs {
   const __nv_bfloat16* w_gate = nullptr;  // [experts, I, H]
   const __nv_bfloat16* w_up = nullptr;    // [experts, I, H]
   const __nv_bfloat16* w_down = nullptr;  // [experts, H, I]
-  // Elements from one expert's matrix to the next one's (0: densely packed).
+  // Elements from one expert's matrix to the next one's (0: densely packed; negative: experts
+  // laid out from the last to the first).
   int64_t w_gate_stride = 0, w_up_stride = 0, w_down_stride = 0;
   // The FP8 forward (launch_forward_megakernel with fp8): x rows in the window and the ring, and
   // h rows in the ring, are packed rows (fp8::packed_row_bytes: e4m3 values, then their 1 x 128

@@ -139,6 +139,12 @@ TEST(ForwardArgsValidate, ChecksExpertStridesAndAlignment) {
   a.weights.gate_expert_stride = a.weights.up_expert_stride = 2 * I * H;
   a.weights.down_expert_stride = H * I + 64;  // padded between experts
   EXPECT_TRUE(validate(c, a).ok()) << validate(c, a).to_string();
+  // Megatron-Core's DDP buffers: the experts from the last to the first, negative strides.
+  a.weights.gate_expert_stride = a.weights.up_expert_stride = -3 * I * H;
+  EXPECT_TRUE(validate(c, a).ok()) << validate(c, a).to_string();
+  a.weights.gate_expert_stride = -(I * H - 8);
+  expect_invalid(validate(c, a), "gate's expert stride (-14680056 elements)");
+  a.weights.gate_expert_stride = 2 * I * H;
   a.weights.up_expert_stride = I * H - 8;  // experts would overlap
   expect_invalid(validate(c, a), "up's expert stride (14680056 elements)");
   a.weights.up_expert_stride = 2 * I * H + 4;  // 8 bytes: TMA strides are 16-byte multiples

@@ -48,12 +48,11 @@ struct GradOptions {
   bool unfused = false;    // the unfused backward (bench/unfused)
   int32_t side_sms = -1;  // unfused: its side-stream SMs (0: none; < 0: its default)
   int32_t comm_sms = 0;   // > 0: the backward megakernel's communication SMs
-  // Megatron-Core's layouts, read and written in place through the expert strides: each
-  // expert's gate rows, then its up rows, in one [E, 2I, H] buffer (linear_fc1), down with
-  // kDownPadding elements between experts; the weight gradients likewise (whole gradients only).
-  bool strided_experts = false;
+  // Where the expert weights and the weight gradients lie (the strided layouts read and written
+  // in place; whole gradients only).
+  testing::ExpertLayout weights = testing::ExpertLayout::kPacked;
+  testing::ExpertLayout grads = testing::ExpertLayout::kPacked;
 };
-inline constexpr int64_t kDownPadding = 64;
 
 // Every rank's gradients as floats, in reference::RankGrads' layout.
 using RankGrads = std::vector<reference::RankGrads>;
@@ -181,27 +180,18 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
       if (Status s = layer->set_backward_comm_sms(options.comm_sms); !s.ok()) return s;
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
     const int64_t T = in[rank].num_tokens;
-    if (options.strided_experts && sampled)
-      return Status(StatusCode::kInvalidArgument, "strided experts: whole gradients only");
-    // Matrix i of the experts (gate, up, down): expert e's at element offset[i] + e * stride[i]
-    // of buffer slot[i] (the fused layout puts gate and up in one buffer).
-    const int64_t matrix[3] = {I * H, I * H, H * I};
-    const bool fused = options.strided_experts;
-    const int64_t stride[3] = {fused ? 2 * I * H : I * H, fused ? 2 * I * H : I * H,
-                               fused ? H * I + kDownPadding : H * I};
-    const int64_t offset[3] = {0, fused ? I * H : 0, 0};
-    const int slot[3] = {0, fused ? 0 : 1, 2};
-    std::vector<__nv_bfloat16*> w(3, nullptr);
-    const std::vector<float>* host_w[3] = {&experts[rank].gate, &experts[rank].up,
-                                           &experts[rank].down};
-    for (int i = 0; i < 3; ++i) {
-      if (slot[i] == i) EPFLOW_TRY_CUDA(cudaMalloc(&w[i], E * stride[i] * 2));
-      const auto b = to_bf16_on_every_core(*host_w[i]);
-      EPFLOW_TRY_CUDA(cudaMemcpy2D(w[slot[i]] + offset[i], stride[i] * 2, b.data(), matrix[i] * 2,
-                                   matrix[i] * 2, E, cudaMemcpyHostToDevice));
-    }
+    const testing::ExpertPlacement wp = testing::place_experts(options.weights, E, H, I);
+    const testing::ExpertPlacement gp = testing::place_experts(options.grads, E, H, I);
+    if (!gp.packed() && sampled)
+      return Status(StatusCode::kInvalidArgument, "strided gradients: whole gradients only");
+    const std::vector<__nv_bfloat16> bf16[3] = {to_bf16_on_every_core(experts[rank].gate),
+                                                to_bf16_on_every_core(experts[rank].up),
+                                                to_bf16_on_every_core(experts[rank].down)};
+    const std::vector<__nv_bfloat16>* host_w[3] = {&bf16[0], &bf16[1], &bf16[2]};
+    __nv_bfloat16* w[3];
+    if (Status s = testing::upload_experts(wp, host_w, w); !s.ok()) return s;
     Poisoned x, y, idx, tw, d_y, dx, dtw, context;
-    Poisoned dw[3];  // by slot
+    Poisoned dw[3];  // by slot of gp
     const size_t g = options.dtype == GradDType::kFP32 ? 4 : 2;
     // The contexts' memory, NaN-filled like the outputs: nothing may read what no forward wrote.
     if (Status s = context.create(layer->saved_context_bytes(), 1); !s.ok()) return s;
@@ -210,12 +200,12 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
                                  {&d_y, T * H, size_t{2}}, {&dx, T * H, size_t{2}},
                                  {&dtw, T * K, size_t{4}}})
       if (Status s = buf->create(n, bytes); !s.ok()) return s;
-    for (int i = 0; i < 3; ++i)
-      if (slot[i] == i)
-        if (Status s = dw[i].create(E * stride[i], g); !s.ok()) return s;
     std::vector<const Poisoned*> outputs = {&dx, &dtw};
-    for (int i = 0; i < 3; ++i)
-      if (slot[i] == i) outputs.push_back(&dw[i]);
+    for (int s = 0; s < 3; ++s)
+      if (gp.slot_elems[s] > 0) {
+        if (Status st = dw[s].create(gp.slot_elems[s], g); !st.ok()) return st;
+        outputs.push_back(&dw[s]);
+      }
     const auto xb = testing::to_bf16(in[rank].x), dyb = testing::to_bf16(dy[rank]);
     EPFLOW_TRY_CUDA(cudaMemcpy(x.ptr, xb.data(), T * H * 2, cudaMemcpyHostToDevice));
     EPFLOW_TRY_CUDA(cudaMemcpy(d_y.ptr, dyb.data(), T * H * 2, cudaMemcpyHostToDevice));
@@ -228,12 +218,7 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     f.x = static_cast<__nv_bfloat16*>(x.ptr);
     f.topk_idx = static_cast<int32_t*>(idx.ptr);
     f.topk_weights = static_cast<float*>(tw.ptr);
-    f.weights = {w[slot[0]] + offset[0], w[slot[1]] + offset[1], w[slot[2]] + offset[2]};
-    if (fused) {
-      f.weights.gate_expert_stride = stride[0];
-      f.weights.up_expert_stride = stride[1];
-      f.weights.down_expert_stride = stride[2];
-    }
+    f.weights = testing::placed_weights(wp, w);
     f.y = static_cast<__nv_bfloat16*>(y.ptr);
     // A context serves one backward: each backward below has a forward of its own.
     const auto forward = [&](SavedContext* saved, cudaStream_t stream) {
@@ -248,14 +233,15 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     b.dx = static_cast<__nv_bfloat16*>(dx.ptr);
     b.d_topk_weights = static_cast<float*>(dtw.ptr);
     void* grad_at[3];
-    for (int i = 0; i < 3; ++i) grad_at[i] = static_cast<char*>(dw[slot[i]].ptr) + offset[i] * g;
+    for (int i = 0; i < 3; ++i)
+      grad_at[i] = static_cast<char*>(dw[gp.slot[i]].ptr) + gp.offset[i] * g;
     b.d_gate = grad_at[0];
     b.d_up = grad_at[1];
     b.d_down = grad_at[2];
-    if (fused) {
-      b.d_gate_expert_stride = stride[0];
-      b.d_up_expert_stride = stride[1];
-      b.d_down_expert_stride = stride[2];
+    if (!gp.packed()) {
+      b.d_gate_expert_stride = gp.stride[0];
+      b.d_up_expert_stride = gp.stride[1];
+      b.d_down_expert_stride = gp.stride[2];
     }
     b.grad_dtype = options.dtype;
     for (int call = 0; call < options.backward_calls; ++call) {
@@ -278,19 +264,20 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
         // (the padding of the strided layout) keeps its poison.
         std::vector<float>* to[3] = {&host->d_gate, &host->d_up, &host->d_down};
         std::vector<float> buffer[3];
-        for (int i = 0; i < 3; ++i)
-          if (slot[i] == i)
-            if (Status s = dw[i].fetch(&buffer[i]); !s.ok()) return s;
         std::vector<bool> written[3];
+        for (int s = 0; s < 3; ++s)
+          if (gp.slot_elems[s] > 0) {
+            if (Status st = dw[s].fetch(&buffer[s]); !st.ok()) return st;
+            written[s].assign(buffer[s].size(), false);
+          }
         for (int i = 0; i < 3; ++i) {
-          const std::vector<float>& from = buffer[slot[i]];
-          written[slot[i]].resize(from.size(), false);
-          to[i]->resize(E * matrix[i]);
+          const std::vector<float>& from = buffer[gp.slot[i]];
+          to[i]->resize(E * gp.matrix[i]);
           for (int64_t e = 0; e < E; ++e)
-            for (int64_t j = 0; j < matrix[i]; ++j) {
-              const int64_t at = offset[i] + e * stride[i] + j;
-              (*to[i])[e * matrix[i] + j] = from[at];
-              written[slot[i]][at] = true;
+            for (int64_t j = 0; j < gp.matrix[i]; ++j) {
+              const int64_t at = gp.at(i, e) + j;
+              (*to[i])[e * gp.matrix[i] + j] = from[at];
+              written[gp.slot[i]][at] = true;
             }
         }
         for (int i = 0; i < 3; ++i)
@@ -358,8 +345,8 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     }
     if (sampled) sampled->values[rank] = std::move(values);
     layer.reset();
-    for (int i = 0; i < 3; ++i)
-      if (slot[i] == i) cudaFree(w[i]);
+    for (__nv_bfloat16* p : w)
+      if (p) cudaFree(p);
     return Status::ok_status();
   });
 }
@@ -530,12 +517,15 @@ void contexts_keeping_few_rows(int world) {
                 graph);
 }
 
-// Megatron-Core's layouts read and written in place through the expert strides
-// (GradOptions::strided_experts): against the reference, and bitwise equal to the densely packed
-// run (only addresses differ). Contexts keep one tile's g | u (the backward recomputes the rest
-// from the strided gate and up weights), I = 320 (partial tiles), gradients fp32 and bf16,
-// written then accumulated.
+// Megatron-Core's layouts read and written in place through the expert strides: weights and
+// gradients in a fused gate|up [E, 2I, H] with a padded down, or in DDP's buffers with the experts
+// in reverse order, and the two mixed (weights fused, gradients DDP's). Against the reference, and
+// bitwise equal to the densely packed run (only addresses differ), what lies between the experts'
+// gradients untouched. Contexts keep one tile's g | u (the backward recomputes the rest from the
+// strided gate and up weights), I = 320 (partial tiles), gradients fp32 and bf16, written then
+// accumulated.
 void megatron_layouts_in_place(int world) {
+  using testing::ExpertLayout;
   LayerConfig c = small_ring_config(world, 500);
   c.intermediate = 320;
   c.saved_gate_up_rows = 128;
@@ -543,23 +533,33 @@ void megatron_layouts_in_place(int world) {
       testing::make_call(c, tokens_for(c, 400, 257), Routing::kImbalanced, 24);
   const auto experts = testing::make_bf16_experts(c, 9);
   const auto dy = make_dy(c, in, 9);
+  const std::pair<ExpertLayout, ExpertLayout> layouts[] = {
+      {ExpertLayout::kFusedGateUp, ExpertLayout::kFusedGateUp},
+      {ExpertLayout::kDdpReversed, ExpertLayout::kDdpReversed},
+      {ExpertLayout::kFusedGateUp, ExpertLayout::kDdpReversed}};
   for (GradDType dtype : {GradDType::kFP32, GradDType::kBF16}) {
     SCOPED_TRACE(dtype == GradDType::kFP32 ? "fp32 gradients" : "bf16 gradients");
-    GradOptions dense{dtype, 2};
-    GradOptions strided = dense;
-    strided.strided_experts = true;
-    run_and_check(c, in, strided);
-    RankGrads packed, in_place;
+    const GradOptions dense{dtype, 2};
+    RankGrads packed;
     const Status a = run_backward(c, experts, in, dy, dense, &packed);
     ASSERT_TRUE(a.ok()) << a.to_string();
-    const Status b = run_backward(c, experts, in, dy, strided, &in_place);
-    ASSERT_TRUE(b.ok()) << b.to_string();
-    for (int r = 0; r < world; ++r) {
-      EXPECT_EQ(packed[r].dx, in_place[r].dx) << "rank " << r << ": dx";
-      EXPECT_EQ(packed[r].d_topk_weights, in_place[r].d_topk_weights) << "rank " << r;
-      EXPECT_EQ(packed[r].d_gate, in_place[r].d_gate) << "rank " << r << ": d W_gate";
-      EXPECT_EQ(packed[r].d_up, in_place[r].d_up) << "rank " << r << ": d W_up";
-      EXPECT_EQ(packed[r].d_down, in_place[r].d_down) << "rank " << r << ": d W_down";
+    for (auto [weights, grads] : layouts) {
+      SCOPED_TRACE(::testing::Message() << "weights layout " << static_cast<int>(weights)
+                                        << ", gradients layout " << static_cast<int>(grads));
+      GradOptions strided = dense;
+      strided.weights = weights;
+      strided.grads = grads;
+      run_and_check(c, in, strided);
+      RankGrads in_place;
+      const Status b = run_backward(c, experts, in, dy, strided, &in_place);
+      ASSERT_TRUE(b.ok()) << b.to_string();
+      for (int r = 0; r < world; ++r) {
+        EXPECT_EQ(packed[r].dx, in_place[r].dx) << "rank " << r << ": dx";
+        EXPECT_EQ(packed[r].d_topk_weights, in_place[r].d_topk_weights) << "rank " << r;
+        EXPECT_EQ(packed[r].d_gate, in_place[r].d_gate) << "rank " << r << ": d W_gate";
+        EXPECT_EQ(packed[r].d_up, in_place[r].d_up) << "rank " << r << ": d W_up";
+        EXPECT_EQ(packed[r].d_down, in_place[r].d_down) << "rank " << r << ": d W_down";
+      }
     }
   }
 }

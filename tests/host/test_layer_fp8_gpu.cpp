@@ -108,21 +108,25 @@ void repeated_calls_bitwise(int world) {
                 1 << 30, repeated);
 }
 
-// Weights quantized from Megatron-Core's layouts (fused gate|up [E, 2I, H], padded down) read
-// in place: the same bytes, so the same outputs, bitwise.
+// Weights quantized from Megatron-Core's layouts (fused gate|up [E, 2I, H] with a padded down;
+// DDP's buffer, experts in reverse order) read in place: the same bytes, so the same outputs,
+// bitwise.
 void quantized_from_megatron_layouts(int world) {
   const LayerConfig c = fp8_config(world, 512, 384, 4, 2, 600);
   const std::vector<CallInputs> calls = mixed_calls(c, world, 50);
-  testing::RunOptions strided;
-  strided.strided_experts = true;
-  run_and_check(c, calls, 1 << 30, strided);
   const auto experts = testing::make_bf16_experts(c, 5);
-  testing::LayerRunResult packed, in_place;
+  testing::LayerRunResult packed;
   const Status a = testing::run_layer(c, experts, calls, &packed);
   ASSERT_TRUE(a.ok()) << a.to_string();
-  const Status b = testing::run_layer(c, experts, calls, &in_place, strided);
-  ASSERT_TRUE(b.ok()) << b.to_string();
-  EXPECT_EQ(packed.y, in_place.y);
+  for (auto layout : {testing::ExpertLayout::kFusedGateUp, testing::ExpertLayout::kDdpReversed}) {
+    testing::RunOptions strided;
+    strided.weights = layout;
+    run_and_check(c, calls, 1 << 30, strided);
+    testing::LayerRunResult in_place;
+    const Status b = testing::run_layer(c, experts, calls, &in_place, strided);
+    ASSERT_TRUE(b.ok()) << b.to_string();
+    EXPECT_EQ(packed.y, in_place.y);
+  }
 }
 
 // DeepSeek-V3 per rank: H 7168, I 2048, 32 experts per rank, top-8; T = 1, 100, 4096 (48 tokens

@@ -114,22 +114,27 @@ void unfused_chain_matches_reference(int world) {
   run_and_check(c, mixed_calls(c, world, 50), 1 << 30, 5, unfused);
 }
 
-// Megatron-Core's layouts (fused gate|up [E, 2I, H], padded down) read in place through the
-// expert strides: against the reference, and bitwise equal to densely packed weights.
+// Megatron-Core's layouts read in place through the expert strides (a fused gate|up [E, 2I, H]
+// with a padded down; DDP's buffer with the experts in reverse order): against the reference,
+// and bitwise equal to densely packed weights.
 void megatron_layouts_read_in_place(int world) {
   LayerConfig c = small_config(world, 600);
   c.intermediate = 320;  // a partial gate/up tile
   const std::vector<CallInputs> calls = mixed_calls(c, world, 60);
-  testing::RunOptions strided;
-  strided.strided_experts = true;
-  run_and_check(c, calls, 1 << 30, 5, strided);
   const auto experts = testing::make_bf16_experts(c, 5);
-  testing::LayerRunResult packed, in_place;
+  testing::LayerRunResult packed;
   const Status a = testing::run_layer(c, experts, calls, &packed);
   ASSERT_TRUE(a.ok()) << a.to_string();
-  const Status b = testing::run_layer(c, experts, calls, &in_place, strided);
-  ASSERT_TRUE(b.ok()) << b.to_string();
-  EXPECT_EQ(packed.y, in_place.y);
+  for (auto layout : {testing::ExpertLayout::kFusedGateUp, testing::ExpertLayout::kDdpReversed}) {
+    SCOPED_TRACE(layout == testing::ExpertLayout::kFusedGateUp ? "fused" : "DDP reversed");
+    testing::RunOptions strided;
+    strided.weights = layout;
+    run_and_check(c, calls, 1 << 30, 5, strided);
+    testing::LayerRunResult in_place;
+    const Status b = testing::run_layer(c, experts, calls, &in_place, strided);
+    ASSERT_TRUE(b.ok()) << b.to_string();
+    EXPECT_EQ(packed.y, in_place.y);
+  }
 }
 
 EPFLOW_EP1_AND_EP2_TESTS(LayerGpu, MegatronLayoutsReadInPlace, megatron_layouts_read_in_place)

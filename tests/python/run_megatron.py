@@ -13,8 +13,12 @@ on one expert), three SGD steps of each layer from the same weights (the weights
 compared the same way), a state dict saved from Megatron's layer loaded into a fresh
 EPFlowMoELayer (no missing or unexpected keys, the same outputs bitwise), and the memory
 allocated during an EPFlow training step: no allocation of an expert weight's size in the
-forward, one gradient buffer per weight kind in the backward (no per-step weight copies). Prints
-one line per check and "MEGATRON OK rank r" when all hold.
+forward, one gradient buffer per weight kind in the backward (no per-step weight copies).
+Finally both layers under Megatron's DistributedDataParallel with the distributed optimizer's
+buffers: the parameters and their fp32 main_grad live in DDP's buffers with the experts in
+reverse order; EPFlow reads the weights there and adds its gradients into main_grad in place
+(gradient-accumulation fusion), Megatron's layer through DDP's hooks; the experts' main_grad
+compared as above. Prints one line per check and "MEGATRON OK rank r" when all hold.
 """
 import copy
 import os
@@ -112,6 +116,46 @@ def forced_routing(kind, generator):
     return routing
 
 
+def ddp_main_grads(checks, world, spec, initial, build, x, dy):
+    """Megatron's layer and EPFlow's (grad_accumulation_fusion) under Megatron's DDP with the
+    distributed optimizer's parameter and fp32 gradient buffers: the experts' main_grad after one
+    backward, against the fp32 reference's gradients (scaled as DDP scales them)."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                               grad_reduce_in_fp32=True)
+    fused_spec = use_epflow(spec, max_tokens_per_rank=S * B, grad_accumulation_fusion=True)
+    layers = [build(spec, torch.bfloat16), build(fused_spec, torch.bfloat16)]
+    ref = build(spec, torch.float32)
+    ref.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in initial.items()})
+    ref.train()
+    want = run(ref, x, dy, torch.float32)[2]
+    main_grads = []
+    for layer in layers:
+        layer.load_state_dict(initial)
+        layer.train()
+        ddp = DistributedDataParallel(config(world, torch.bfloat16), ddp_config, layer)
+        ddp.zero_grad_buffer()
+        xi = x.detach().clone().requires_grad_(True)
+        y, _ = ddp(xi)
+        (y.float() * dy).sum().backward()
+        ddp.finish_grad_sync()
+        main_grads.append({f"expert{e}.{kind}": getattr(expert, f"linear_{kind}").weight.main_grad
+                           for e, expert in enumerate(layer.experts.local_experts)
+                           for kind in ("fc1", "fc2")})
+    _, _, reversed_ = layers[1]._expert_weights(layers[1]._expert_params())
+    checks.require("EPFlow reads the experts' weights in DDP's buffer in place", True,
+                   f"(experts in {'reverse' if reversed_ else 'forward'} order)")
+    checks.require("EPFlow's gradients fused into main_grad",
+                   layers[1]._main_grads(layers[1]._expert_params()) is not None)
+    mega_grads, our_grads = main_grads
+    for name in mega_grads:
+        r = want[name].float()
+        # DDP scales gradients (1 / data-parallel size): the reference scaled to Megatron's.
+        scale = (mega_grads[name].float() * r).sum() / (r * r).sum().clamp_min(1e-30)
+        checks.compare(f"DDP main_grad {name}", our_grads[name], mega_grads[name], r * scale)
+
+
 def main():
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -127,6 +171,7 @@ def main():
     build = lambda s, dtype: s.submodules.mlp(config=config(world, dtype), pg_collection=None,
                                               is_mtp_layer=False)
     mega = build(spec, torch.bfloat16)
+    initial = copy.deepcopy(mega.state_dict())
     ours = build(epflow_spec, torch.bfloat16)
     assert isinstance(ours, EPFlowMoELayer)
     missing, unexpected = ours.load_state_dict(mega.state_dict(), strict=False)
@@ -203,6 +248,8 @@ def main():
     a, b = run(ours, x, dy, torch.bfloat16), run(fresh, x, dy, torch.bfloat16)
     checks.require("the same outputs after loading", torch.equal(a[0], b[0]) and
                    torch.equal(a[1], b[1]) and all(torch.equal(a[2][k], b[2][k]) for k in a[2]))
+
+    ddp_main_grads(checks, world, spec, initial, build, x, dy)
 
     dist.barrier()
     import epflow

@@ -23,7 +23,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from epflow.integrations.megatron import (  # noqa: E402
-    EPFlowMoELayer, routing_to_topk, unsupported_settings, use_epflow)
+    EPFlowMoELayer, _experts_view, routing_to_topk, unsupported_settings, use_epflow)
 
 H, I, E, K = 256, 192, 8, 4
 
@@ -80,6 +80,27 @@ def test_routing_to_topk_keeps_every_routed_expert_and_its_gradient():
 
 
 @pytest.mark.cpu
+def test_experts_found_in_either_order_in_one_buffer():
+    # Megatron's DDP buffer: parameters in reverse registration order, each expert's fc2 then
+    # fc1, the last expert first.
+    rows, cols, n = 6, 8, 3
+    fc2_elems = 4 * cols
+    stride = rows * cols + fc2_elems
+    buffer = torch.arange(n * stride, dtype=torch.float32)
+    fc1 = [buffer[(n - 1 - e) * stride + fc2_elems:(n - e) * stride].view(rows, cols)
+           for e in range(n)]
+    view, reversed_ = _experts_view(fc1, (rows, cols))
+    assert reversed_ and view.stride() == (stride, cols, 1)
+    for j in range(n):
+        assert torch.equal(view[j], fc1[n - 1 - j])
+    view, reversed_ = _experts_view(fc1[::-1], (rows, cols))
+    assert not reversed_ and all(torch.equal(view[e], fc1[n - 1 - e]) for e in range(n))
+    uneven = [buffer[0:48].view(rows, cols), buffer[64:112].view(rows, cols),
+              buffer[144:192].view(rows, cols)]
+    assert _experts_view(uneven, (rows, cols)) == (None, False)
+
+
+@pytest.mark.cpu
 def test_unsupported_settings_are_named():
     assert unsupported_settings(_config()) == []
     bad = unsupported_settings(_config(activation_func=F.gelu, add_bias_linear=True,
@@ -115,7 +136,8 @@ def test_construction_rehomes_the_experts_and_keeps_megatrons_keys(model_paralle
     missing, unexpected = ours.load_state_dict(megatron.state_dict(), strict=False)
     assert not missing and not unexpected
     assert set(ours.state_dict()) == set(megatron.state_dict())
-    fc1, fc2 = ours._expert_weights(ours._expert_params())
+    fc1, fc2, reversed_ = ours._expert_weights(ours._expert_params())
+    assert not reversed_
     assert fc1.shape == (E, 2 * I, H) and fc1.stride() == (2 * I * H, H, 1)
     assert fc2.shape == (E, H, I) and fc2.stride() == (H * I, I, 1)
     for e, expert in enumerate(megatron.experts.local_experts):
@@ -124,7 +146,7 @@ def test_construction_rehomes_the_experts_and_keeps_megatrons_keys(model_paralle
     # Parameters moved into tensors of their own are re-homed again (once, not per step).
     for expert in ours.experts.local_experts:
         expert.linear_fc1.weight.data = expert.linear_fc1.weight.data.clone()
-    again, _ = ours._expert_weights(ours._expert_params())
+    again, _, _ = ours._expert_weights(ours._expert_params())
     assert torch.equal(again, fc1) and again.stride() == fc1.stride()
 
 

@@ -234,8 +234,8 @@ def test_training_outputs_written_whole(layer, T):
     buffer = _context_buffer(handle)
     grads = [_poisoned_like(t) for t in (x, w) + params]
     with torch.no_grad():
-        context = handle.forward_train(x, idx, w, *params, y, buffer)
-        handle.backward_out(context, buffer, dy, x, idx, w, *params, *grads, False)
+        context = handle.forward_train(x, idx, w, *params, y, buffer, False)
+        handle.backward_out(context, buffer, dy, x, idx, w, *params, *grads, False, False, False)
     torch.cuda.synchronize()
     assert torch.isfinite(y).all(), "an element of y was not written"
     assert rel_err(y, reference_moe(x, idx, w, *params)) <= TOL
@@ -258,13 +258,14 @@ def test_outputs_overlapping_inputs_are_refused(layer):
     dy = torch.randn(16, H, device="cuda").to(torch.bfloat16)
     buffer = _context_buffer(handle)
     with torch.no_grad():
-        context = handle.forward_train(x, idx, w, *params, _poisoned_like(x), buffer)
+        context = handle.forward_train(x, idx, w, *params, _poisoned_like(x), buffer, False)
         grads = [_poisoned_like(t) for t in (x, w) + params]
         with pytest.raises(RuntimeError, match="output dx overlaps dy"):
-            handle.backward_out(context, buffer, dy, x, idx, w, *params, dy, *grads[1:], False)
+            handle.backward_out(context, buffer, dy, x, idx, w, *params, dy, *grads[1:], False,
+                                False, False)
         with pytest.raises(RuntimeError, match="outputs d_w_gate and d_w_up overlap"):
             handle.backward_out(context, buffer, dy, x, idx, w, *params, grads[0], grads[1],
-                                grads[2], grads[2], grads[4], False)
+                                grads[2], grads[2], grads[4], False, False, False)
     torch.cuda.synchronize()
 
 

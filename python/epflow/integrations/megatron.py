@@ -18,9 +18,9 @@ EPFlow's forward and GPU backward run the routed experts over the expert-paralle
 No per-step weight copies: at construction each expert's linear_fc1.weight [2I, H] (gate rows,
 then up rows) becomes a view of one [E_local, 2I, H] tensor and each linear_fc2.weight [H, I] a
 view of one [E_local, H, I]; EPFlow reads gate and up as strided views of it. Weights that a
-framework later moves (Megatron's distributed optimizer keeps parameters in its own buffer) are
-read in place wherever they now lie, as long as the experts' matrices of a kind are equally
-spaced in one allocation (a clear error otherwise). The weight gradients are returned as views
+framework later moves (Megatron's distributed optimizer keeps parameters in its own buffer, in
+reverse order) are read in place wherever they now lie, as long as the experts' matrices of a
+kind are equally spaced in one allocation, in either order (a clear error otherwise). The weight gradients are returned as views
 of one allocation (autograd keeps them as the parameters' .grad without a copy); with
 gradient-accumulation fusion (Megatron's `main_grad`) they are added into main_grad in place.
 
@@ -102,24 +102,27 @@ def routing_to_topk(probs, routing_map, top_k):
 
 
 def _experts_view(tensors, shape):
-    """The E tensors of one shape ([R, C] each, row-major) as one [E, R, C] view when they are
-    equally spaced in one allocation (any spacing that is a multiple of 16 bytes, descending
-    too), else None."""
+    """The E tensors of one shape ([R, C] each, row-major), when they are equally spaced in one
+    allocation (any spacing that is a multiple of 16 bytes), as (view, reversed): view [E, R, C]
+    in memory order, reversed when the experts lie from the last to the first (view[j] is expert
+    E - 1 - j: Megatron-Core's DDP buffers hold parameters in reverse order). (None, False)
+    otherwise."""
     first = tensors[0]
     if any(t.shape != shape or t.dtype != first.dtype or t.device != first.device or
            not t.is_contiguous() or
            t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
            for t in tensors):
-        return None
+        return None, False
     if len(tensors) == 1:
-        return first.unsqueeze(0)
+        return first.unsqueeze(0), False
     step = tensors[1].data_ptr() - first.data_ptr()
     if step == 0 or step % 16 != 0 or any(
             t.data_ptr() - first.data_ptr() != e * step for e, t in enumerate(tensors)):
-        return None
-    size = first.element_size()
-    return first.as_strided((len(tensors),) + tuple(shape), (step // size, shape[1], 1),
-                            first.storage_offset())
+        return None, False
+    base = first if step > 0 else tensors[-1]
+    view = base.as_strided((len(tensors),) + tuple(shape),
+                           (abs(step) // first.element_size(), shape[1], 1), base.storage_offset())
+    return view, step < 0
 
 
 class _EPFlowExperts(torch.autograd.Function):
@@ -129,13 +132,14 @@ class _EPFlowExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer, x, topk_idx, topk_weights, *params):
-        fc1, fc2 = layer._expert_weights(params)
+        fc1, fc2, reversed_ = layer._expert_weights(params)
         gate, up = fc1[:, :layer.intermediate], fc1[:, layer.intermediate:]
         handle = layer._handle()
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
         buffer = torch.empty(handle.saved_context_bytes(), dtype=torch.uint8, device=x.device)
-        ctx.context = handle.forward_train(x, topk_idx, topk_weights, gate, up, fc2, y, buffer)
-        ctx.layer, ctx.params = layer, params
+        ctx.context = handle.forward_train(x, topk_idx, topk_weights, gate, up, fc2, y, buffer,
+                                           reversed_)
+        ctx.layer, ctx.params, ctx.reversed = layer, params, reversed_
         ctx.save_for_backward(x, topk_idx, topk_weights, fc1, fc2, buffer)
         return y
 
@@ -143,7 +147,7 @@ class _EPFlowExperts(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_idx, topk_weights, fc1, fc2, buffer = ctx.saved_tensors
         layer, params = ctx.layer, ctx.params
-        I, E = layer.intermediate, layer.num_local_experts
+        I = layer.intermediate
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         dtw = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)
         weights = (fc1[:, :I], fc1[:, I:], fc2)
@@ -151,10 +155,10 @@ class _EPFlowExperts(torch.autograd.Function):
         if fused is not None:
             # Megatron's gradient-accumulation fusion: added into main_grad in place; autograd
             # gets placeholders, as from Megatron's own linear layers (its DDP hook skips them).
-            g1, g2 = fused
+            g1, g2, grads_reversed = fused
             layer._handle().backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx,
                                          topk_weights, *weights, dx, dtw, g1[:, :I], g1[:, I:],
-                                         g2, True)
+                                         g2, True, ctx.reversed, grads_reversed)
             grads = []
             for p in params:
                 p.grad_added_to_main_grad = True
@@ -164,7 +168,7 @@ class _EPFlowExperts(torch.autograd.Function):
             g2 = torch.empty(fc2.shape, dtype=fc2.dtype, device=fc2.device)
             layer._handle().backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx,
                                          topk_weights, *weights, dx, dtw, g1[:, :I], g1[:, I:],
-                                         g2, False)
+                                         g2, False, ctx.reversed, False)
             grads = list(g1.unbind(0)) + list(g2.unbind(0))
         ctx.context = ctx.layer = ctx.params = None
         return (None, dx, None, dtw, *grads)
@@ -223,7 +227,8 @@ class EPFlowMoELayer(MoELayer):
                 [e.linear_fc2.weight for e in experts])
 
     def _expert_weights(self, params):
-        """The experts' weights as [E, 2I, H] and [E, H, I] views. A kind whose parameters
+        """(fc1 [E, 2I, H], fc2 [E, H, I], reversed): the experts' weights as views in memory
+        order (reversed: from the last expert to the first, in both). A kind whose parameters
         something moved into tensors of their own (module.cuda(), .to()) is re-homed again, once;
         parameters that share another allocation unevenly are refused (re-homing them would
         detach them from whoever owns it, e.g. a distributed optimizer's buffer)."""
@@ -232,31 +237,38 @@ class EPFlowMoELayer(MoELayer):
                  ("linear_fc2", params[E:], (self.hidden, self.intermediate)))
         views = []
         for kind, group, shape in kinds:
-            view = _experts_view(group, shape)
+            view, reversed_ = _experts_view(group, shape)
             if view is None and all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
                                     for p in group):
                 self._rehome_expert_weights((kind,))
-                view = _experts_view(group, shape)
+                view, reversed_ = _experts_view(group, shape)
             if view is None:
                 raise RuntimeError(
                     f"epflow: the experts' {kind} weights are not equally spaced in one "
                     "allocation (EPFlow reads them in place, with no per-step copy); something "
                     "placed them unevenly (e.g. padding between experts in a distributed "
                     "optimizer's buffer)")
-            views.append(view)
-        return views
+            views.append((view, reversed_))
+        (fc1, fc1_reversed), (fc2, fc2_reversed) = views
+        if fc1_reversed != fc2_reversed:
+            raise RuntimeError("epflow: the experts' linear_fc1 weights lie in one expert order "
+                               "and their linear_fc2 weights in the other")
+        return fc1, fc2, fc1_reversed
 
     def _main_grads(self, params):
+        """(g1, g2, reversed): the parameters' main_grad as expert views (see _expert_weights),
+        or None where they are missing or not equally spaced (gradients then go through
+        autograd)."""
         grads = [getattr(p, "main_grad", None) for p in params]
         if any(g is None for g in grads):
             return None
         E = self.num_local_experts
-        g1 = _experts_view(grads[:E], (2 * self.intermediate, self.hidden))
-        g2 = _experts_view(grads[E:], (self.hidden, self.intermediate))
-        if g1 is None or g2 is None or g1.dtype != g2.dtype or \
+        g1, r1 = _experts_view(grads[:E], (2 * self.intermediate, self.hidden))
+        g2, r2 = _experts_view(grads[E:], (self.hidden, self.intermediate))
+        if g1 is None or g2 is None or r1 != r2 or g1.dtype != g2.dtype or \
                 g1.dtype not in (torch.float32, torch.bfloat16):
             return None
-        return g1, g2
+        return g1, g2, r1
 
     def _handle(self):
         if self._handle_key is None:

@@ -46,10 +46,14 @@ cudaError_t launch_backward_megakernel(const MegakernelArgs& a, int32_t sm_count
   const int64_t E = a.experts, H = a.hidden, I = a.intermediate;
   m.h_out = {};
   const bool ok = megakernel::encode_ring_maps<BackwardPass>(a, &m) &&
-                  gemm::encode_weight_map_n_major(a.w_down, E, H, I, &m.w1a, a.w_down_stride) &&
-                  gemm::encode_weight_map_n_major(a.w_gate, E, I, H, &m.w2a, a.w_gate_stride) &&
-                  gemm::encode_weight_map_n_major(a.w_up, E, I, H, &m.w2b, a.w_up_stride);
+                  gemm::encode_weight_map_n_major(a.w_down, E, H, I, &m.w1a, a.w_down_stride,
+                                                  &m.w1.b0) &&
+                  gemm::encode_weight_map_n_major(a.w_gate, E, I, H, &m.w2a, a.w_gate_stride,
+                                                  &m.w2.b0) &&
+                  gemm::encode_weight_map_n_major(a.w_up, E, I, H, &m.w2b, a.w_up_stride,
+                                                  &m.w2.b1);
   m.w1b = m.w1a;
+  m.w1.b1 = m.w1.b0;
   if (!ok) return cudaErrorInvalidValue;
   return megakernel::launch<BackwardPass>(m, a, sm_count, stream);
 }

@@ -28,6 +28,7 @@ namespace epflow::kernels::megakernel {
 struct Maps {
   CUtensorMap rows1, rows1_few, w1a, w1b, h_out, rows2, rows2_few, w2a, w2b;
   CUtensorMap rows1_scales, rows2_scales;  // FP8: the ring rows' scales (gemm::Fp8RowScales)
+  gemm::WeightOrders w1, w2;               // of w1a / w1b and w2a / w2b
 };
 
 __device__ __forceinline__ uint8_t* fp8_row_scale_boxes(MegaSmem& smem) {
@@ -119,12 +120,12 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<P::kGateUpEpilogue, kStages, kStaging, P::kWeights, kOp>(
               smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b, tags, i, 0,
-              gemm::Fp8RowScales{&m.rows1_scales, fp8_row_scale_boxes(smem)});
+              gemm::Fp8RowScales{&m.rows1_scales, fp8_row_scale_boxes(smem)}, m.w1);
         else
           gemm::produce_tile<Epilogue::kStore, kStages, kStaging, P::kWeights, kOp>(
               smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b, tags, i,
               P::kDownKParts > 1 ? a.intermediate / gemm::kBlockK : 0,
-              gemm::Fp8RowScales{&m.rows2_scales, fp8_row_scale_boxes(smem)});
+              gemm::Fp8RowScales{&m.rows2_scales, fp8_row_scale_boxes(smem)}, m.w2);
         record_progress(a, kProducerLoaded, i);
         trace_task(a, traced + static_cast<int32_t>(n), i, t, taken, ready);
       }

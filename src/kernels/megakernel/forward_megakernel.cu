@@ -76,11 +76,15 @@ cudaError_t launch_forward_megakernel(const MegakernelArgs& a, int32_t sm_count,
   const int64_t E = a.experts, H = a.hidden, I = a.intermediate;
   constexpr uint32_t kHalf = kTileCols / 2;
   const bool ok = megakernel::encode_ring_maps<ForwardPass>(a, &m) &&
-                  gemm::encode_weight_map(a.w_gate, E, I, H, kHalf, &m.w1a, a.w_gate_stride) &&
-                  gemm::encode_weight_map(a.w_up, E, I, H, kHalf, &m.w1b, a.w_up_stride) &&
+                  gemm::encode_weight_map(a.w_gate, E, I, H, kHalf, &m.w1a, a.w_gate_stride,
+                                          &m.w1.b0) &&
+                  gemm::encode_weight_map(a.w_up, E, I, H, kHalf, &m.w1b, a.w_up_stride,
+                                          &m.w1.b1) &&
                   gemm::encode_output_map(a.ring_h, I, ring_rows, &m.h_out) &&
-                  gemm::encode_weight_map(a.w_down, E, H, I, kTileCols, &m.w2a, a.w_down_stride);
+                  gemm::encode_weight_map(a.w_down, E, H, I, kTileCols, &m.w2a, a.w_down_stride,
+                                          &m.w2.b0);
   m.w2b = m.w2a;
+  m.w2.b1 = m.w2.b0;
   if (!ok) return cudaErrorInvalidValue;
   return megakernel::launch<ForwardPass>(m, a, sm_count, stream);
 }
