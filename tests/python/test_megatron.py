@@ -184,3 +184,93 @@ def test_matches_megatron_ep2():
     if torch.cuda.device_count() < 2:
         pytest.skip("EP = 2 needs two GPUs")
     _torchrun(2)
+
+
+class _ReferenceHandle:
+    """A CPU stand-in for an EPFlow handle (EP = 1) with the binding's calling convention,
+    computing with epflow.reference: tests the adapter's autograd plumbing without a GPU."""
+
+    def saved_context_bytes(self):
+        return 16
+
+    @staticmethod
+    def _experts(t, reversed_):
+        return t.flip(0) if reversed_ else t
+
+    def forward_train(self, x, idx, w, gate, up, down, y, buffer, weights_reversed):
+        from epflow.reference import reference_moe
+        g, u, d = (self._experts(t, weights_reversed) for t in (gate, up, down))
+        y.copy_(reference_moe(x, idx, w, g, u, d).to(y.dtype))
+        return ("context", weights_reversed)
+
+    def backward_out(self, context, buffer, dy, x, idx, w, gate, up, down, dx, dw, d_gate, d_up,
+                     d_down, accumulate, weights_reversed, grads_reversed):
+        from epflow.reference import reference_moe
+        assert context == ("context", weights_reversed)
+        with torch.enable_grad():  # (autograd runs backward() without it)
+            leaves = [t.detach().float().requires_grad_(True) for t in
+                      (x, w, *(self._experts(t, weights_reversed) for t in (gate, up, down)))]
+            y = reference_moe(leaves[0], idx, leaves[1], *leaves[2:])
+            grads = torch.autograd.grad(y, leaves, dy.float())
+        dx.copy_(grads[0])
+        dw.copy_(grads[1])
+        for out, g in zip((d_gate, d_up, d_down), grads[2:]):
+            g = self._experts(g, grads_reversed).to(out.dtype)
+            out.add_(g) if accumulate else out.copy_(g)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_autograd_plumbing_reaches_every_expert_parameter(model_parallel, fused):
+    from epflow.integrations.megatron import _EPFlowExperts
+    from epflow.reference import reference_moe
+    spec = use_epflow(get_gpt_layer_local_spec(num_experts=E), max_tokens_per_rank=64,
+                      grad_accumulation_fusion=fused)
+    layer = spec.submodules.mlp(config=_config(), pg_collection=None, is_mtp_layer=False)
+    layer._handle = lambda: _ReferenceHandle()
+    params = layer._expert_params()
+    # As Megatron's DDP with the distributed optimizer leaves them: parameters and main_grad in
+    # one buffer each, the last expert first, each expert's fc2 before its fc1.
+    fc1_elems, fc2_elems = 2 * I * H, H * I
+    stride = fc1_elems + fc2_elems
+    buffers = {dtype: torch.zeros(E * stride, dtype=dtype)
+               for dtype in (torch.bfloat16, torch.float32)}
+    for e, expert in enumerate(layer.experts.local_experts):
+        at = (E - 1 - e) * stride
+        for kind, offset, shape in (("linear_fc2", 0, (H, I)), ("linear_fc1", fc2_elems, (2 * I, H))):
+            p = getattr(expert, kind).weight
+            n = shape[0] * shape[1]
+            view = buffers[torch.bfloat16][at + offset:at + offset + n].view(shape)
+            view.copy_(p.detach())
+            p.data = view
+            p.main_grad = buffers[torch.float32][at + offset:at + offset + n].view(shape)
+    _, _, reversed_ = layer._expert_weights(params)
+    assert reversed_
+    g = torch.Generator().manual_seed(5)
+    T = 24
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_(True)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    idx[3, 1:] = -1
+    w = torch.rand(T, K, generator=g).requires_grad_(True)
+    y = _EPFlowExperts.apply(layer, x, idx, w, *params)
+    dy = torch.randn(T, H, generator=g)
+    (y.float() * dy).sum().backward()
+    # The reference over the same weights, gathered per expert.
+    experts = layer.experts.local_experts
+    fc1 = torch.stack([e.linear_fc1.weight.detach().float() for e in experts]).requires_grad_(True)
+    fc2 = torch.stack([e.linear_fc2.weight.detach().float() for e in experts]).requires_grad_(True)
+    xr, wr = x.detach().float().requires_grad_(True), w.detach().requires_grad_(True)
+    yr = reference_moe(xr, idx, wr, fc1[:, :I], fc1[:, I:], fc2)
+    (yr * dy).sum().backward()
+    assert torch.allclose(y.float(), yr, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(x.grad.float(), xr.grad, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(w.grad, wr.grad, atol=2e-2, rtol=2e-2)
+    for e, expert in enumerate(experts):
+        for p, want in ((expert.linear_fc1.weight, fc1.grad[e]), (expert.linear_fc2.weight, fc2.grad[e])):
+            if fused:  # added into main_grad in place, autograd given placeholders
+                got = p.main_grad
+                assert p.grad_added_to_main_grad
+            else:
+                got = p.grad.float()
+                assert (p.main_grad == 0).all()
+            assert torch.allclose(got, want, atol=3e-2, rtol=3e-2), (e, (got - want).abs().max())
