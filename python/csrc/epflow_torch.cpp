@@ -329,9 +329,10 @@ int64_t check_expert_matrices(const at::Tensor& t, const char* name, at::ScalarT
   TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == shape[2] &&
                   (shape[0] == 1 || (t.stride(0) >= matrix &&
                                      t.stride(0) * t.element_size() % 16 == 0)),
-              "epflow: ", name, " must hold each expert's matrix row-major and contiguous, the "
-              "experts at most 16-byte multiples apart (a view of a fused [E, 2I, H] tensor "
-              "works), got strides ", t.strides(), "; call .contiguous()");
+              "epflow: ", name, " must hold each expert's matrix row-major and contiguous, "
+              "consecutive experts a multiple of 16 bytes and at least a matrix apart (a view of "
+              "a fused [E, 2I, H] tensor works), got strides ", t.strides(),
+              "; call .contiguous()");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "epflow: ", name,
               " must start at a 16-byte aligned address");
   return shape[0] == 1 ? 0 : t.stride(0);
@@ -362,7 +363,8 @@ std::vector<std::pair<uintptr_t, uintptr_t>> byte_ranges(const at::Tensor& t) {
   const auto bytes = static_cast<uintptr_t>(t.size(1) * t.size(2) * t.element_size());
   const auto step = static_cast<uintptr_t>(t.stride(0) * t.element_size());
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
-  for (int64_t e = 0; e < t.size(0); ++e) ranges.emplace_back(base + e * step, base + e * step + bytes);
+  for (int64_t e = 0; e < t.size(0); ++e)
+    ranges.emplace_back(base + e * step, base + e * step + bytes);
   return ranges;
 }
 
@@ -372,7 +374,10 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   const auto ra = byte_ranges(a), rb = byte_ranges(b);
   for (size_t i = 0, j = 0; i < ra.size() && j < rb.size();) {
     if (ra[i].first < rb[j].second && rb[j].first < ra[i].second) return true;
-    if (ra[i].second <= rb[j].second) ++i; else ++j;
+    if (ra[i].second <= rb[j].second)
+      ++i;
+    else
+      ++j;
   }
   return false;
 }
@@ -385,7 +390,8 @@ struct Named {
 // An output the caller gave: its dtype, shape, device, layout as for an input, and no overlap
 // with what the call reads or with another output (the kernels read inputs while they write
 // outputs, so an alias would be a race, not an in-place update).
-void check_no_overlap(const at::Tensor& out, const char* name, std::initializer_list<Named> others) {
+void check_no_overlap(const at::Tensor& out, const char* name,
+                      std::initializer_list<Named> others) {
   for (const Named& other : others)
     TORCH_CHECK(!overlaps(out, *other.tensor), "epflow: output ", name, " overlaps ",
                 other.name, " in memory; give it a buffer of its own");

@@ -159,10 +159,11 @@ class _EPFlowExperts(torch.autograd.Function):
             layer._handle().backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx,
                                          topk_weights, *weights, dx, dtw, g1[:, :I], g1[:, I:],
                                          g2, True, ctx.reversed, grads_reversed)
-            grads = []
             for p in params:
                 p.grad_added_to_main_grad = True
-                grads.append(torch.empty(p.shape, dtype=p.dtype, device=p.device))
+            # Uninitialised, like Megatron's placeholders: views of one allocation per kind.
+            grads = (list(torch.empty(fc1.shape, dtype=fc1.dtype, device=fc1.device).unbind(0)) +
+                     list(torch.empty(fc2.shape, dtype=fc2.dtype, device=fc2.device).unbind(0)))
         else:
             g1 = torch.empty(fc1.shape, dtype=fc1.dtype, device=fc1.device)
             g2 = torch.empty(fc2.shape, dtype=fc2.dtype, device=fc2.device)
