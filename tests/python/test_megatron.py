@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from epflow.integrations.megatron import (  # noqa: E402
     EPFlowMoELayer, _experts_view, routing_to_topk, unsupported_settings, use_epflow)
+from reference_handle import ReferenceHandle  # noqa: E402
 
 H, I, E, K = 256, 192, 8, 4
 
@@ -186,39 +187,6 @@ def test_matches_megatron_ep2():
     _torchrun(2)
 
 
-class _ReferenceHandle:
-    """A CPU stand-in for an EPFlow handle (EP = 1) with the binding's calling convention,
-    computing with epflow.reference: tests the adapter's autograd plumbing without a GPU."""
-
-    def saved_context_bytes(self):
-        return 16
-
-    @staticmethod
-    def _experts(t, reversed_):
-        return t.flip(0) if reversed_ else t
-
-    def forward_train(self, x, idx, w, gate, up, down, y, buffer, weights_reversed):
-        from epflow.reference import reference_moe
-        g, u, d = (self._experts(t, weights_reversed) for t in (gate, up, down))
-        y.copy_(reference_moe(x, idx, w, g, u, d).to(y.dtype))
-        return ("context", weights_reversed)
-
-    def backward_out(self, context, buffer, dy, x, idx, w, gate, up, down, dx, dw, d_gate, d_up,
-                     d_down, accumulate, weights_reversed, grads_reversed):
-        from epflow.reference import reference_moe
-        assert context == ("context", weights_reversed)
-        with torch.enable_grad():  # (autograd runs backward() without it)
-            leaves = [t.detach().float().requires_grad_(True) for t in
-                      (x, w, *(self._experts(t, weights_reversed) for t in (gate, up, down)))]
-            y = reference_moe(leaves[0], idx, leaves[1], *leaves[2:])
-            grads = torch.autograd.grad(y, leaves, dy.float())
-        dx.copy_(grads[0])
-        dw.copy_(grads[1])
-        for out, g in zip((d_gate, d_up, d_down), grads[2:]):
-            g = self._experts(g, grads_reversed).to(out.dtype)
-            out.add_(g) if accumulate else out.copy_(g)
-
-
 @pytest.mark.cpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_autograd_plumbing_reaches_every_expert_parameter(model_parallel, fused):
@@ -227,7 +195,7 @@ def test_autograd_plumbing_reaches_every_expert_parameter(model_parallel, fused)
     spec = use_epflow(get_gpt_layer_local_spec(num_experts=E), max_tokens_per_rank=64,
                       grad_accumulation_fusion=fused)
     layer = spec.submodules.mlp(config=_config(), pg_collection=None, is_mtp_layer=False)
-    layer._handle = lambda: _ReferenceHandle()
+    layer._handle = lambda: ReferenceHandle()
     params = layer._expert_params()
     # As Megatron's DDP with the distributed optimizer leaves them: parameters and main_grad in
     # one buffer each, the last expert first, each expert's fc2 before its fc1.
