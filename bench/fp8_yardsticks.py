@@ -27,19 +27,14 @@ Usage: python3 bench/fp8_yardsticks.py [--json out.json] [--dense-shape M,N,K] [
          [--warmup 100] [--repeats 3] [--fast-accum]"""
 from __future__ import annotations
 
-import os
-
 # NVLink multicast (NVLS) can take the shared host down (BRIEF §2): forced off, not merely
-# defaulted, before torch loads NCCL or NVSHMEM (as bench/baselines/torch_moe.py does).
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+# defaulted, before torch loads NCCL or NVSHMEM.
+from torch_bench_env import git_commit  # noqa: E402  (first: before torch loads)
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -47,7 +42,6 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 FP8 = getattr(torch, "float8_e4m3fn", None)  # None: main() stops, naming it
 FP8_MAX = 448.0
 EXPERTS, HIDDEN, INTER = 32, 7168, 2048  # DeepSeek-V3: 32 experts per GPU at EP 8
@@ -188,15 +182,6 @@ def median_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-
-
-def git_commit() -> str:
-    try:
-        return os.environ.get("EPFLOW_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-            check=False).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main() -> int:

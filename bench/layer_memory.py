@@ -12,25 +12,17 @@ Usage: torchrun --standalone --nproc_per_node 1 bench/layer_memory.py \\
            [--preset deepseek-v3] [--tokens 8192] [--layers 8] [--json out.json]"""
 from __future__ import annotations
 
-import os
-
-os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+from torch_bench_env import git_commit  # first: before torch loads
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "bench" / "baselines"))
 import inputs  # noqa: E402
 
 import epflow  # noqa: E402
@@ -78,9 +70,7 @@ def main():
     torch.cuda.synchronize()
     result = {
         "kind": "layer-memory", "device": torch.cuda.get_device_name(),
-        "commit": os.environ.get("EPFLOW_COMMIT") or subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-            text=True).stdout.strip() or "unknown",
+        "commit": git_commit(),
         "date": datetime.date.today().isoformat(), "preset": a.preset, "ep": world,
         "max_tokens_per_rank": T, "rows": rows, "tokens": T,
         "contexts_in_flight": len(layers), "in_flight_device_bytes": in_flight,

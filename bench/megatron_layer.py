@@ -15,17 +15,13 @@ Usage: torchrun --standalone --nproc_per_node 1 bench/megatron_layer.py \\
            [--json out.json]"""
 from __future__ import annotations
 
-import os
-
-os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+from torch_bench_env import git_commit  # first: before torch loads
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -33,9 +29,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "bench" / "baselines"))
 import inputs  # noqa: E402
 
 
@@ -130,13 +123,10 @@ def main() -> int:
             ours_us = next(r["step_us"] for r in runs[-2:] if r["system"] == "megatron-epflow")
             print(f"  EPFlow-backed / local: {local_us / ours_us:.2f}x", flush=True)
     if rank == 0 and args.json:
-        commit = os.environ.get("EPFLOW_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-            text=True).stdout.strip() or "unknown"
         import megatron.core
         args.json.write_text(json.dumps(
             {"kind": "megatron-layer-step", "device": torch.cuda.get_device_name(device),
-             "commit": commit, "date": datetime.date.today().isoformat(),
+             "commit": git_commit(), "date": datetime.date.today().isoformat(),
              "megatron_core": megatron.core.__version__, "torch": torch.__version__,
              "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
              "seed": args.seed, "runs": runs}, indent=2) + "\n")

@@ -15,26 +15,19 @@ Usage: torchrun --standalone --nproc_per_node 1 bench/moelayer_step.py \\
            [--routing uniform|zipf] [--seed 1] [--json out.json]"""
 from __future__ import annotations
 
-import os
-
-os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+from torch_bench_env import git_commit  # first: before torch loads
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "bench" / "baselines"))
 import inputs  # noqa: E402
 
 
@@ -120,12 +113,9 @@ def main() -> int:
                       f"{run['step_us']:.1f} us (repeats: "
                       + " / ".join(f"{u:.1f}" for u in us) + ")", flush=True)
     if rank == 0 and args.json:
-        commit = os.environ.get("EPFLOW_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-            text=True).stdout.strip() or "unknown"
         args.json.write_text(json.dumps(
             {"kind": "moelayer-step", "device": torch.cuda.get_device_name(device),
-             "commit": commit, "date": datetime.date.today().isoformat(),
+             "commit": git_commit(), "date": datetime.date.today().isoformat(),
              "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
              "seed": args.seed, "runs": runs}, indent=2) + "\n")
     epflow.release_handles()
