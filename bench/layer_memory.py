@@ -12,12 +12,11 @@ Usage: torchrun --standalone --nproc_per_node 1 bench/layer_memory.py \\
            [--preset deepseek-v3] [--tokens 8192] [--layers 8] [--json out.json]"""
 from __future__ import annotations
 
-from torch_bench_env import git_commit  # first: before torch loads
+from torch_bench_env import git_commit, init_torchrun  # first: before torch loads
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -42,9 +41,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank, world, _ = init_torchrun()
     p = inputs.PRESETS[a.preset]
     H, I, E, K = p.hidden, p.intermediate, p.experts_per_rank * world, p.top_k
     T = a.tokens

@@ -15,12 +15,11 @@ Usage: torchrun --standalone --nproc_per_node 1 bench/megatron_layer.py \\
            [--json out.json]"""
 from __future__ import annotations
 
-from torch_bench_env import git_commit  # first: before torch loads
+from torch_bench_env import git_commit, init_torchrun, median_step_ms  # first: before torch
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -45,21 +44,6 @@ def parse_args():
     return ap.parse_args()
 
 
-def step_ms(layer, x, dy, warmup: int, iters: int) -> float:
-    """Median GPU time of forward + backward (gradients set to None before each step)."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(warmup + iters)]
-    for start, end in events:
-        for p in layer.parameters():
-            p.grad = None
-        start.record()
-        y, _ = layer(x)
-        y.backward(dy)
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events[warmup:])
-
-
 def main() -> int:
     args = parse_args()
     from megatron.core import parallel_state, tensor_parallel
@@ -69,11 +53,7 @@ def main() -> int:
     import epflow
     from epflow.integrations.megatron import use_epflow
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local)
+    rank, world, device = init_torchrun()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -103,7 +83,11 @@ def main() -> int:
         per_repeat = {k: [] for k in layers}
         for _ in range(args.repeats):
             for name, layer in layers.items():
-                ms = torch.tensor(step_ms(layer, x, dy, args.warmup, args.iters), device=device)
+                def step(layer=layer):
+                    y, _ = layer(x)
+                    y.backward(dy)
+                ms = torch.tensor(median_step_ms(step, list(layer.parameters()), args.warmup,
+                                                 args.iters), device=device)
                 dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank
                 per_repeat[name].append(ms.item() * 1e3)
         flops = 18.0 * T * p.top_k * p.hidden * p.intermediate  # forward 6, backward 12 per row

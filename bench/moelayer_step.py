@@ -15,12 +15,11 @@ Usage: torchrun --standalone --nproc_per_node 1 bench/moelayer_step.py \\
            [--routing uniform|zipf] [--seed 1] [--json out.json]"""
 from __future__ import annotations
 
-from torch_bench_env import git_commit  # first: before torch loads
+from torch_bench_env import git_commit, init_torchrun, median_step_ms  # first: before torch
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -47,33 +46,11 @@ def parse_args():
     return ap.parse_args()
 
 
-def step_ms(layer, x, idx, w, dy, micro_batches: int, warmup: int, iters: int) -> float:
-    """Median GPU time of a training step: micro_batches x (forward, backward of sum(y * dy))
-    with the expert gradients accumulating in .grad (zeroed before each step, set_to_none as an
-    optimizer's zero_grad)."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(warmup + iters)]
-    for start, end in events:
-        for p in layer.parameters():
-            p.grad = None
-        start.record()
-        for _ in range(micro_batches):
-            y = layer(x, idx, w)
-            y.backward(dy)
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events[warmup:])
-
-
 def main() -> int:
     args = parse_args()
     import epflow
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local)
+    rank, world, device = init_torchrun()
     p = inputs.PRESETS[args.preset]
     tokens = [int(t) for t in args.tokens.split(",")]
     weights = inputs.make_weights(args.seed, rank, p, device)
@@ -98,8 +75,13 @@ def main() -> int:
         per_repeat = {k: [] for k in layers}
         for _ in range(args.repeats):
             for name, layer in layers.items():
-                ms = torch.tensor(step_ms(layer, x, idx, w, dy, args.micro_batches, args.warmup,
-                                          args.iters), device=device)
+                # A training step: micro_batches x (forward, backward of sum(y * dy)), the expert
+                # gradients accumulating in .grad.
+                def step(layer=layer):
+                    for _ in range(args.micro_batches):
+                        layer(x, idx, w).backward(dy)
+                ms = torch.tensor(median_step_ms(step, list(layer.parameters()), args.warmup,
+                                                 args.iters), device=device)
                 dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank
                 per_repeat[name].append(ms.item() * 1e3)
         for name, us in per_repeat.items():

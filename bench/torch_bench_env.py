@@ -24,3 +24,32 @@ def git_commit() -> str:
             check=False).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def init_torchrun():
+    """This process's GPU (torchrun's LOCAL_RANK) and the NCCL process group over all of them:
+    (rank, world size, device)."""
+    import torch
+    import torch.distributed as dist
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
+
+
+def median_step_ms(step, params, warmup: int, iters: int) -> float:
+    """Median GPU time (CUDA events) of step() over `iters` calls after `warmup` untimed ones,
+    the parameters' .grad set to None before each (as an optimizer's zero_grad)."""
+    import statistics
+
+    import torch
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(warmup + iters)]
+    for start, end in events:
+        for p in params:
+            p.grad = None
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events[warmup:])

@@ -393,6 +393,18 @@ void run_and_check(const LayerConfig& c, const CallInputs& in, const GradOptions
   }
 }
 
+// Every rank's gradients the same in both runs (as floats of the same bf16 / fp32 values).
+void expect_bitwise_equal(const RankGrads& a, const RankGrads& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t r = 0; r < a.size(); ++r) {
+    EXPECT_EQ(a[r].dx, b[r].dx) << "rank " << r << ": dx";
+    EXPECT_EQ(a[r].d_topk_weights, b[r].d_topk_weights) << "rank " << r << ": d topk_weights";
+    EXPECT_EQ(a[r].d_gate, b[r].d_gate) << "rank " << r << ": d W_gate";
+    EXPECT_EQ(a[r].d_up, b[r].d_up) << "rank " << r << ": d W_up";
+    EXPECT_EQ(a[r].d_down, b[r].d_down) << "rank " << r << ": d W_down";
+  }
+}
+
 // The harness's small shape, created for the backward.
 LayerConfig small_config(int world, int64_t max_tokens) {
   LayerConfig c = testing::small_config(world, max_tokens);
@@ -503,13 +515,7 @@ void contexts_keeping_few_rows(int world) {
     ASSERT_TRUE(a.ok()) << a.to_string();
     const Status b = run_backward(few, experts, in, dy, {}, &recomputed);
     ASSERT_TRUE(b.ok()) << b.to_string();
-    for (int r = 0; r < world; ++r) {
-      EXPECT_EQ(kept[r].dx, recomputed[r].dx) << "rank " << r << ": dx";
-      EXPECT_EQ(kept[r].d_topk_weights, recomputed[r].d_topk_weights) << "rank " << r;
-      EXPECT_EQ(kept[r].d_gate, recomputed[r].d_gate) << "rank " << r << ": d W_gate";
-      EXPECT_EQ(kept[r].d_up, recomputed[r].d_up) << "rank " << r << ": d W_up";
-      EXPECT_EQ(kept[r].d_down, recomputed[r].d_down) << "rank " << r << ": d W_down";
-    }
+    expect_bitwise_equal(kept, recomputed);
   }
   GradOptions graph;
   graph.check_graph = true;
@@ -553,13 +559,7 @@ void megatron_layouts_in_place(int world) {
       RankGrads in_place;
       const Status b = run_backward(c, experts, in, dy, strided, &in_place);
       ASSERT_TRUE(b.ok()) << b.to_string();
-      for (int r = 0; r < world; ++r) {
-        EXPECT_EQ(packed[r].dx, in_place[r].dx) << "rank " << r << ": dx";
-        EXPECT_EQ(packed[r].d_topk_weights, in_place[r].d_topk_weights) << "rank " << r;
-        EXPECT_EQ(packed[r].d_gate, in_place[r].d_gate) << "rank " << r << ": d W_gate";
-        EXPECT_EQ(packed[r].d_up, in_place[r].d_up) << "rank " << r << ": d W_up";
-        EXPECT_EQ(packed[r].d_down, in_place[r].d_down) << "rank " << r << ": d W_down";
-      }
+      expect_bitwise_equal(packed, in_place);
     }
   }
 }
