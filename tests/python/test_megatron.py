@@ -152,6 +152,25 @@ def test_construction_rehomes_the_experts_and_keeps_megatrons_keys(model_paralle
 
 
 @pytest.mark.cpu
+def test_a_megatron_model_checkpoint_loads_into_the_epflow_backed_model(model_parallel):
+    from megatron.core.models.gpt import GPTModel
+    config = _config(moe_layer_freq=[0, 1], ffn_hidden_size=2 * I)  # a dense layer, then MoE
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    build = lambda s: GPTModel(config=config, transformer_layer_spec=s, vocab_size=128,
+                               max_sequence_length=64)
+    torch.manual_seed(1)
+    megatron = build(spec)
+    ours = build(use_epflow(spec, max_tokens_per_rank=64))
+    assert isinstance(ours.decoder.layers[1].mlp, EPFlowMoELayer)
+    ours.load_state_dict(megatron.state_dict(), strict=True)
+    theirs, mine = megatron.state_dict(), ours.state_dict()
+    assert set(theirs) == set(mine)
+    for name, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, mine[name]), name
+
+
+@pytest.mark.cpu
 def test_refused_settings_fail_at_construction(model_parallel):
     spec = use_epflow(get_gpt_layer_local_spec(num_experts=E), max_tokens_per_rank=64)
     with pytest.raises(ValueError, match="add_bias_linear"):
