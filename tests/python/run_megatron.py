@@ -59,6 +59,12 @@ def rel(a, ref):
     return (a - ref).norm().item() / den if den > 0 else (a - ref).norm().item()
 
 
+def as_fp32(state):
+    """A state dict with its floating-point tensors in fp32 (other entries as they are)."""
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in state.items()}
+
+
 def named_grads(layer):
     """The router weight's and the local experts' weight gradients, by name."""
     out = {"router.weight": layer.router.weight.grad}
@@ -131,7 +137,7 @@ def ddp_main_grads(checks, world, spec, initial, build, x, dy):
     fused_spec = use_epflow(spec, max_tokens_per_rank=S * B, grad_accumulation_fusion=True)
     layers = [build(spec, torch.bfloat16), build(fused_spec, torch.bfloat16)]
     ref = build(spec, torch.float32)
-    ref.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in initial.items()})
+    ref.load_state_dict(as_fp32(initial))
     ref.train()
     want = run(ref, x, dy, torch.float32)[2]
     main_grads = []
@@ -219,8 +225,7 @@ def main():
     checks.require("Megatron's state dict loads", not missing and not unexpected,
                    f"missing {missing} unexpected {unexpected}")
     ref = build(spec, torch.float32)
-    ref.load_state_dict({k: v.float() if v.is_floating_point() else v
-                         for k, v in mega.state_dict().items()})
+    ref.load_state_dict(as_fp32(mega.state_dict()))
     for m in (mega, ours, ref):
         m.train()
 
