@@ -106,6 +106,7 @@ def forced_routing(kind, generator):
     """A routing(logits) replacement: the router's softmax over a fixed map (so the router
     weight still gets gradients)."""
     def routing(logits, padding_mask=None):
+        logits = logits.reshape(-1, E)  # [S, B, E] from the gate, as Megatron's routing takes it
         T = logits.shape[0]
         scores = torch.rand(T, E, generator=generator, device=logits.device)
         if kind == "empty_slots":  # every third token gets only two experts
