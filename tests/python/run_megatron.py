@@ -50,7 +50,10 @@ def config(world, dtype):
         activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2, moe_router_dtype="fp32", expert_model_parallel_size=world,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, gradient_accumulation_fusion=False)
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, gradient_accumulation_fusion=False,
+        # Token dropping on (with a capacity no routing here reaches): Megatron's own dispatcher
+        # then takes tokens routed to fewer than top-k experts (the forced empty slots).
+        moe_expert_capacity_factor=float(E))
 
 
 def rel(a, ref):
