@@ -182,8 +182,9 @@ def model_training(checks, world):
     models = []
     for s in (spec, use_epflow(spec, max_tokens_per_rank=seq * batch)):
         torch.manual_seed(4321)
+        # .cuda() as Megatron's get_model does (the embeddings are built on the CPU).
         models.append(GPTModel(config=cfg, transformer_layer_spec=s, vocab_size=vocab,
-                               max_sequence_length=seq))
+                               max_sequence_length=seq).cuda())
     models[1].load_state_dict(models[0].state_dict(), strict=True)
     g = torch.Generator(device="cuda").manual_seed(11 + dist.get_rank())
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g, device="cuda")
@@ -276,10 +277,13 @@ def main():
                    f"({len(sizes)} allocations in a step; of weight sizes: per expert "
                    f"{per_expert}, whole kinds {whole} = the two gradient buffers)")
 
-    # Three SGD steps from the same weights.
+    # Three SGD steps from the same weights. NOTES: a step small against the weights (a large
+    # one moves the router enough to flip near-tied routing choices between bf16 and fp32, and
+    # the comparison then measures those flips, not the layer).
+    before = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
     steppers = []
     for m in (mega, ours, ref):
-        steppers.append(torch.optim.SGD(m.parameters(), lr=0.1))
+        steppers.append(torch.optim.SGD(m.parameters(), lr=1e-3))
     for step in range(3):
         for m, opt, dtype in zip((mega, ours, ref), steppers,
                                  (torch.bfloat16, torch.bfloat16, torch.float32)):
@@ -288,6 +292,10 @@ def main():
     wo, wm, wr = (dict(m.named_parameters()) for m in (ours, mega, ref))
     for name in wr:
         checks.compare(f"after 3 SGD steps {name}", wo[name], wm[name], wr[name])
+        b = before[name]
+        print(f"rank {rank} (information) the 3 steps' update of {name}: EPFlow "
+              f"{rel(wo[name].float() - b, wr[name].float() - b):.2e}, Megatron "
+              f"{rel(wm[name].float() - b, wr[name].float() - b):.2e}", flush=True)
 
     # A Megatron checkpoint loads into a fresh EPFlow layer and gives the same outputs.
     fresh = build(epflow_spec, torch.bfloat16)
