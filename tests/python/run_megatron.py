@@ -175,6 +175,7 @@ def model_training(checks, world):
     same weights on the same tokens, losses compared per step."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.module import Float16Module
     cfg = dataclasses.replace(config(world, torch.bfloat16), num_layers=2, moe_layer_freq=[0, 1],
                               ffn_hidden_size=2 * I)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
@@ -182,9 +183,11 @@ def model_training(checks, world):
     models = []
     for s in (spec, use_epflow(spec, max_tokens_per_rank=seq * batch)):
         torch.manual_seed(4321)
-        # .cuda() as Megatron's get_model does (the embeddings are built on the CPU).
-        models.append(GPTModel(config=cfg, transformer_layer_spec=s, vocab_size=vocab,
-                               max_sequence_length=seq).cuda())
+        # On the GPU and wrapped in Float16Module (bf16 parameters and inputs), as Megatron's
+        # get_model does (the embeddings are built on the CPU, in fp32).
+        models.append(Float16Module(cfg, GPTModel(config=cfg, transformer_layer_spec=s,
+                                                  vocab_size=vocab,
+                                                  max_sequence_length=seq).cuda()))
     models[1].load_state_dict(models[0].state_dict(), strict=True)
     g = torch.Generator(device="cuda").manual_seed(11 + dist.get_rank())
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g, device="cuda")
