@@ -10,6 +10,7 @@ EPFlow's FP8 layer (epflow-bench --dtype fp8: system epflow-fp8) get a table of 
 the bf16 systems and the FP8 baselines (nccl-pytorch-fp8); bench/fp8_yardsticks.py files ("kind":
 "fp8-yardsticks") theirs; --summary adds their FP8 column (EPFlow FP8 against NCCL+PyTorch FP8;
 the bf16 runs of a file with FP8 runs stay out of the summary, the other files give those).
+bench/moelayer_step.py, bench/layer_memory.py and bench/megatron_layer.py files get their own.
 Usage: bench/report.py [--summary] RESULT.json [RESULT.json ...]"""
 import json
 import sys
@@ -500,7 +501,25 @@ def render_moelayer_step(doc):
               f"| {doc['commit']} |")
 
 
+def render_megatron_step(doc):
+    """bench/megatron_layer.py: Megatron-Core's MoE layer, its local path against EPFlow's."""
+    print("| preset | tokens/rank | EP | Megatron local step µs | EPFlow-backed step µs | speed-up "
+          "| tokens/s (local / EPFlow) | TFLOP/s (local / EPFlow) | device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    by_point = {}
+    for r in doc["runs"]:
+        by_point.setdefault((r["preset"], r["tokens"], r["ep"]), {})[r["system"]] = r
+    for (preset, tokens, ep), pair in by_point.items():
+        local, ours = pair["megatron-local"], pair["megatron-epflow"]
+        print(f"| {preset} | {tokens} | {ep} | {local['step_us']:.0f} | {ours['step_us']:.0f} "
+              f"| {local['step_us'] / ours['step_us']:.2f}x "
+              f"| {local['tokens_per_s']:.0f} / {ours['tokens_per_s']:.0f} "
+              f"| {local['tflops']:.0f} / {ours['tflops']:.0f} | {doc['device']} "
+              f"| {doc['commit']} |")
+
+
 OWN_RENDERERS = {"layer-memory": render_layer_memory, "moelayer-step": render_moelayer_step,
+                 "megatron-layer-step": render_megatron_step,
                  "fp8-yardsticks": render_fp8_yardsticks, "fp8-gemm": render_fp8_gemm}
 
 
