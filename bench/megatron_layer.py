@@ -15,14 +15,13 @@ Usage: torchrun --standalone --nproc_per_node 1 bench/megatron_layer.py \\
            [--json out.json]"""
 from __future__ import annotations
 
-from torch_bench_env import git_commit, init_torchrun, median_step_ms  # first: before torch
+from torch_bench_env import (git_commit, init_torchrun, median_step_ms,  # first: before torch
+                             step_arguments)
 
-import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -32,16 +31,7 @@ import inputs  # noqa: E402
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="deepseek-v3", choices=sorted(inputs.PRESETS))
-    ap.add_argument("--tokens", default="2048,8192", help="tokens per rank per step")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--json", type=Path)
-    return ap.parse_args()
+    return step_arguments(__doc__, warmup=10).parse_args()
 
 
 def main() -> int:

@@ -53,3 +53,21 @@ def median_step_ms(step, params, warmup: int, iters: int) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events[warmup:])
+
+
+def step_arguments(doc: str, warmup: int):
+    """The training-step benchmarks' shared flags (preset, tokens, warmup, iters, repeats, seed,
+    json); a script adds its own before parse_args()."""
+    import argparse
+
+    import inputs
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="deepseek-v3", choices=sorted(inputs.PRESETS))
+    ap.add_argument("--tokens", default="2048,8192", help="tokens per rank per step")
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    return ap

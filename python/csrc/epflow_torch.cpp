@@ -293,20 +293,30 @@ at::Tensor get_unique_id() {
   return out;
 }
 
-void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
-                  at::IntArrayRef shape, const at::Device& device) {
+// A tensor argument's dtype, device and shape.
+void check_kind(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
+                const at::Device& device) {
   TORCH_CHECK(t.scalar_type() == dtype, "epflow.moe_forward: ", name, " must be ", dtype,
               ", got ", t.scalar_type());
   TORCH_CHECK(t.device() == device, "epflow.moe_forward: ", name, " must be on ", device,
               " (the handle's device), got ", t.device());
   TORCH_CHECK(t.sizes() == shape, "epflow.moe_forward: ", name, " must have shape ", shape,
               ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "epflow.moe_forward: ", name,
-              " must be contiguous (row-major); call .contiguous()");
-  // The kernels move rows with 16-byte vectors and TMA: a view at an odd offset would fault.
+}
+
+// The kernels move rows with 16-byte vectors and TMA: a view at an odd offset would fault.
+void check_aligned(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
               "epflow.moe_forward: ", name, " must start at a 16-byte aligned address (a view at "
               "an offset is not); call .clone()");
+}
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                  at::IntArrayRef shape, const at::Device& device) {
+  check_kind(t, name, dtype, shape, device);
+  TORCH_CHECK(t.is_contiguous(), "epflow.moe_forward: ", name,
+              " must be contiguous (row-major); call .contiguous()");
+  check_aligned(t, name);
 }
 
 // Expert matrices [E, R, C] of `dtype` on `device`: each expert's matrix row-major and
@@ -319,22 +329,16 @@ int64_t check_expert_matrices(const at::Tensor& t, const char* name, at::ScalarT
     check_tensor(t, name, dtype, shape, device);
     return 0;
   }
-  TORCH_CHECK(t.scalar_type() == dtype, "epflow: ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.device() == device, "epflow: ", name, " must be on ", device,
-              " (the handle's device), got ", t.device());
-  TORCH_CHECK(t.sizes() == shape, "epflow: ", name, " must have shape ", shape, ", got ",
-              t.sizes());
+  check_kind(t, name, dtype, shape, device);
   const int64_t matrix = shape[1] * shape[2];
   TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == shape[2] &&
                   (shape[0] == 1 || (t.stride(0) >= matrix &&
                                      t.stride(0) * t.element_size() % 16 == 0)),
-              "epflow: ", name, " must hold each expert's matrix row-major and contiguous, "
-              "consecutive experts a multiple of 16 bytes and at least a matrix apart (a view of "
-              "a fused [E, 2I, H] tensor works), got strides ", t.strides(),
+              "epflow.moe_forward: ", name, " must hold each expert's matrix row-major and "
+              "contiguous, consecutive experts a multiple of 16 bytes and at least a matrix apart "
+              "(a view of a fused [E, 2I, H] tensor works), got strides ", t.strides(),
               "; call .contiguous()");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "epflow: ", name,
-              " must start at a 16-byte aligned address");
+  check_aligned(t, name);
   return shape[0] == 1 ? 0 : t.stride(0);
 }
 

@@ -151,26 +151,23 @@ class _EPFlowExperts(torch.autograd.Function):
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         dtw = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)
         weights = (fc1[:, :I], fc1[:, I:], fc2)
+        fresh = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)  # packed
         fused = layer._main_grads(params) if layer.grad_accumulation_fusion else None
         if fused is not None:
             # Megatron's gradient-accumulation fusion: added into main_grad in place; autograd
-            # gets placeholders, as from Megatron's own linear layers (its DDP hook skips them).
+            # gets uninitialised placeholders, as from Megatron's own linear layers (its DDP hook
+            # skips them), views of one allocation per kind.
             g1, g2, grads_reversed = fused
-            layer._handle().backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx,
-                                         topk_weights, *weights, dx, dtw, g1[:, :I], g1[:, I:],
-                                         g2, True, ctx.reversed, grads_reversed)
             for p in params:
                 p.grad_added_to_main_grad = True
-            # Uninitialised, like Megatron's placeholders: views of one allocation per kind.
-            grads = (list(torch.empty(fc1.shape, dtype=fc1.dtype, device=fc1.device).unbind(0)) +
-                     list(torch.empty(fc2.shape, dtype=fc2.dtype, device=fc2.device).unbind(0)))
+            out1, out2 = fresh(fc1), fresh(fc2)
         else:
-            g1 = torch.empty(fc1.shape, dtype=fc1.dtype, device=fc1.device)
-            g2 = torch.empty(fc2.shape, dtype=fc2.dtype, device=fc2.device)
-            layer._handle().backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx,
-                                         topk_weights, *weights, dx, dtw, g1[:, :I], g1[:, I:],
-                                         g2, False, ctx.reversed, False)
-            grads = list(g1.unbind(0)) + list(g2.unbind(0))
+            g1, g2, grads_reversed = fresh(fc1), fresh(fc2), False
+            out1, out2 = g1, g2
+        layer._handle().backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx,
+                                     topk_weights, *weights, dx, dtw, g1[:, :I], g1[:, I:], g2,
+                                     fused is not None, ctx.reversed, grads_reversed)
+        grads = list(out1.unbind(0)) + list(out2.unbind(0))
         ctx.context = ctx.layer = ctx.params = None
         return (None, dx, None, dtw, *grads)
 
