@@ -26,7 +26,8 @@ namespace epflow {
 // FP8 layers (LayerConfig::dtype = kFP8Blockwise) read `fp8` instead: the same matrices as e4m3
 // bytes (OCP E4M3FN) in the same layouts, and one fp32 scale per 128 x 128 block, row-major over
 // the blocks: gate and up scales [E_local, I / 128, H / 128], down [E_local, H / 128, I / 128];
-// an element is its e4m3 value times its block's scale. quantize_expert_weights makes them.
+// an element is its e4m3 value times its block's scale; all six pointers 16-byte aligned.
+// quantize_expert_weights makes them.
 struct Fp8ExpertWeights {
   const uint8_t* gate = nullptr;
   const uint8_t* up = nullptr;

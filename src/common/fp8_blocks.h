@@ -20,6 +20,9 @@
 namespace epflow::fp8 {
 
 inline constexpr int kBlock = 128;         // block edge, elements
+// The most 128-deep K blocks of a GEMM in the FP8 layer (H and I at most 128 times this): a
+// tile's weight scales sit in shared memory, loaded as one TMA box of at most 256 floats per row.
+inline constexpr int kMaxKBlocks = 253;
 inline constexpr float kE4m3Max = 448.0f;  // largest finite e4m3 magnitude
 inline constexpr float kMinScale = 0x1p-126f;  // smallest normal float: the least block scale
 

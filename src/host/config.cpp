@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "common/fp8_blocks.h"
 #include "common/status_util.h"
 
 namespace epflow {
@@ -66,6 +67,12 @@ Status validate(const LayerConfig& c) {
     return invalid_argument("dtype fp8-blockwise needs hidden (", c.hidden, ") and intermediate (",
                             c.intermediate, ") to be multiples of ", kFp8Block,
                             " (one scale block per 128 of K)");
+  if (c.dtype == DType::kFP8Blockwise &&
+      (c.hidden > kFp8Block * fp8::kMaxKBlocks || c.intermediate > kFp8Block * fp8::kMaxKBlocks))
+    return invalid_argument("dtype fp8-blockwise supports hidden (", c.hidden,
+                            ") and intermediate (", c.intermediate, ") up to ",
+                            kFp8Block * fp8::kMaxKBlocks,
+                            " (a GEMM tile's weight scales are kept in shared memory)");
   if (c.comm_sms < 0)
     return invalid_argument("comm_sms (", c.comm_sms, ") must be >= 0 (0 = auto)");
   if (c.minibatch_rows < 0)

@@ -57,9 +57,18 @@ Status validate(const LayerConfig& c, const ForwardArgs& a) {
   // Weights are needed even at T = 0: peers' tokens may still route to this rank's experts.
   if (c.dtype == DType::kFP8Blockwise) {
     const Fp8ExpertWeights& w = a.weights.fp8;
-    return require(w.gate && w.up && w.down && w.gate_scales && w.up_scales && w.down_scales,
-                   "an fp8-blockwise layer reads ExpertWeights::fp8: its e4m3 weights and "
-                   "scales (gate, up, down) must all be set (quantize_expert_weights)");
+    EPFLOW_RETURN_IF_ERROR(
+        require(w.gate && w.up && w.down && w.gate_scales && w.up_scales && w.down_scales,
+                "an fp8-blockwise layer reads ExpertWeights::fp8: its e4m3 weights and "
+                "scales (gate, up, down) must all be set (quantize_expert_weights)"));
+    for (const void* p : {static_cast<const void*>(w.gate), static_cast<const void*>(w.up),
+                          static_cast<const void*>(w.down), static_cast<const void*>(w.gate_scales),
+                          static_cast<const void*>(w.up_scales),
+                          static_cast<const void*>(w.down_scales)})
+      EPFLOW_RETURN_IF_ERROR(require(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                                     "ExpertWeights::fp8's weights and scales must be 16-byte "
+                                     "aligned (TMA reads them)"));
+    return Status::ok_status();
   }
   return check_bf16_expert_weights(c, a.weights);
 }

@@ -13,13 +13,16 @@ using gemm::Epilogue;
 using gemm::Operands;
 using gemm::WeightMajor;
 
-constexpr int kStages = 3;  // 3 x (48 KB of tiles + 2 KB of row scales) + 64 KB of staging: 214 KB of 227
+// 3 x (48 KB of tiles + 2 KB of row scales) + 64 KB of staging + 8 KB of weight scales: 222 KB
+// of 227.
+constexpr int kStages = 3;
 
 }  // namespace
 
 cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   const ExpertSegments& seg = a.segments;
-  if (!seg.valid() || a.n <= 0 || a.n % fp8::kBlock != 0 || a.k <= 0 || a.k % fp8::kBlock != 0)
+  if (!seg.valid() || a.n <= 0 || a.n % fp8::kBlock != 0 || a.k <= 0 || a.k % fp8::kBlock != 0 ||
+      a.k / fp8::kBlock > gemm::kFp8MaxKBlocks)
     return cudaErrorInvalidValue;
   if (seg.empty()) return cudaSuccess;
   if (!seg.seg_offset || !a.a || !a.a_scales || !a.w || !a.w_scales || !a.out)
@@ -27,7 +30,8 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
   const int64_t k_blocks = a.k / fp8::kBlock;
   const int64_t a_scale_stride = a.a_scale_stride > 0 ? a.a_scale_stride : (k_blocks + 3) / 4 * 4;
   if (a_scale_stride % 4 != 0 || a_scale_stride < k_blocks ||
-      reinterpret_cast<uintptr_t>(a.a_scales) % 16 != 0)
+      reinterpret_cast<uintptr_t>(a.a_scales) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.w_scales) % 16 != 0)
     return cudaErrorInvalidValue;
   int32_t sm_count = 0;
   if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
@@ -41,8 +45,12 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
   const uint64_t as_dims[2] = {uint64_t(k_blocks * 4), uint64_t(seg.max_rows)};
   const uint64_t as_stride[1] = {uint64_t(a_scale_stride * 4)};
   const uint32_t as_box[2] = {16, kTileRows};
-  CUtensorMap map_a, map_a_rows, map_a_scales, map_w, map_out;
+  const uint64_t w_scales = uint64_t(seg.experts) * (a.n / fp8::kBlock) * k_blocks;
+  CUtensorMap map_a, map_a_rows, map_a_scales, map_w, map_w_scales, map_out;
   if (!encode_u8_tensor_map_unswizzled(&map_a_scales, a.a_scales, 2, as_dims, as_box, as_stride)
+           .ok() ||
+      !encode_f32_vector_map(&map_w_scales, a.w_scales, w_scales,
+                             gemm::fp8_weight_scale_box(static_cast<int32_t>(k_blocks)))
            .ok() ||
       !encode_u8_tensor_map(&map_a, a.a, 2, a_dims, a_box).ok() ||
       !encode_u8_tensor_map(&map_a_rows, a.a, 2, a_dims, a_few_box).ok() ||
@@ -50,7 +58,6 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
       !gemm::encode_output_map(a.out, a.n, seg.max_rows, &map_out))
     return cudaErrorInvalidValue;
   gemm::GemmParams p = gemm::GemmParams::of(seg.seg_offset, nullptr, seg.experts, a.n, a.k);
-  p.fp8.b0 = p.fp8.b1 = a.w_scales;
   p.fp8.n_blocks = static_cast<int32_t>(a.n / fp8::kBlock);
   p.fp8.k_blocks = static_cast<int32_t>(k_blocks);
   const int64_t max_tiles = seg.max_rows / kTileRows * ((a.n + kTileCols - 1) / kTileCols);
@@ -63,7 +70,7 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
       e != cudaSuccess)
     return e;
   kernel<<<grid, gemm::kThreads, smem, stream>>>(map_a, map_a_rows, map_w, map_w, map_out,
-                                                 map_a_scales, p);
+                                                 map_a_scales, map_w_scales, p);
   return cudaGetLastError();
 }
 

@@ -18,13 +18,13 @@ namespace epflow::kernels {
 
 struct Fp8GroupedGemmArgs {
   ExpertSegments segments;           // expert_rows unused: whole tiles are computed
-  int64_t n = 0, k = 0;              // multiples of 128
+  int64_t n = 0, k = 0;              // multiples of 128; k at most 128 * gemm::kFp8MaxKBlocks
   const uint8_t* a = nullptr;        // [segments.max_rows, k] e4m3
   const float* a_scales = nullptr;   // [segments.max_rows, a_scale_stride], 16-byte aligned
   int64_t a_scale_stride = 0;        // floats per row: a multiple of 4 (rows TMA loads are
                                      // 16-byte aligned), >= k / 128; 0: the smallest such
   const uint8_t* w = nullptr;        // [experts, n, k] e4m3 (nn.Linear layout)
-  const float* w_scales = nullptr;   // [experts, n / 128, k / 128]
+  const float* w_scales = nullptr;   // [experts, n / 128, k / 128], 16-byte aligned
   __nv_bfloat16* out = nullptr;      // [segments.max_rows, n]
   int32_t max_ctas = 0;              // 0: one CTA per SM
 };

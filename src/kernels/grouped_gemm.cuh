@@ -66,32 +66,63 @@ inline constexpr int kBlockKElems = kOp == Operands::kFP8 ? fp8::kBlock : kBlock
 template <Epilogue kEpi>
 inline constexpr int kOutCols = kEpi == Epilogue::kSwiGLU ? kTileCols / 2 : kTileCols;
 
-// Where an FP8 tile's fp32 block scales are. A (1 x 128): in shared memory, a box of
-// kFp8ScaleBoxBytes per stage at a_smem (the producer loads it with the stage's tiles,
-// Fp8RowScales): stage kb's box holds the tile's row r's scales of the four K blocks from
-// kb & ~3 at bytes 16 r .. 16 r + 15. B (128 x 128), [experts, n_blocks, k_blocks] each:
-// kSwiGLU takes the tile's gate half from b0 and its up half from b1, both block n_tile; kStore
-// takes blocks 2 n_tile and 2 n_tile + 1 of b0. power_of_two: h's scales in the kSwiGLU
-// epilogue.
+// Where an FP8 tile's fp32 block scales are, for its consumers. A (1 x 128): in shared memory,
+// a box of kFp8ScaleBoxBytes per stage at a_smem (the producer loads it with the stage's tiles,
+// Fp8ScaleLoads): stage kb's box holds the tile's row r's scales of the four K blocks from
+// kb & ~3 at bytes 16 r .. 16 r + 15. B (128 x 128; in global memory [experts, n_blocks,
+// k_blocks] each): in shared memory too, the tile's two rows of k_blocks scales in one of the
+// weight-scale slots at b_smem (fp8_weight_scale_row says which blocks). power_of_two: h's scales
+// in the kSwiGLU epilogue.
 struct Fp8Scales {
   const uint8_t* a_smem = nullptr;
-  const float* b0 = nullptr;
-  const float* b1 = nullptr;
+  const uint8_t* b_smem = nullptr;
   int32_t n_blocks = 0;
   int32_t k_blocks = 0;
   bool power_of_two = false;
 };
 
-// The producer's side of the rows' scales (Operands::kFP8): map, a TMA map of the rows' scale
-// bytes (u8, unswizzled, dims {k_blocks * 4, rows}, boxes of {16, kTileRows}: four K blocks'
-// scales of every row of a tile, 2 KB; out-of-range blocks read as zeros); smem, the per-stage
-// boxes (Fp8Scales::a_smem). NOTES: the rows' scales as per-thread global loads (a load per row
-// and K block) cost ~8% of the FP8 GEMM; through shared memory they come with the stage, as
-// DeepGEMM's do.
+// The rows' scales (Operands::kFP8) as the producer loads them: a TMA map of the rows' scale bytes
+// (u8, unswizzled, dims {k_blocks * 4, rows}, boxes of {16, kTileRows}: four K blocks' scales of
+// every row of a tile, 2 KB; out-of-range blocks read as zeros) into per-stage boxes
+// (Fp8Scales::a_smem). NOTES: the rows' scales as per-thread global loads (a load per row and K
+// block) cost ~8% of the FP8 GEMM; through shared memory they come with the stage, as DeepGEMM's
+// do.
 inline constexpr uint32_t kFp8ScaleBoxBytes = kTileRows * 16;
-struct Fp8RowScales {
-  const CUtensorMap* map = nullptr;
-  uint8_t* smem = nullptr;
+
+// The weights' scales of a tile: a row of k_blocks fp32 per 128-column half (kSwiGLU: the gate
+// and the up matrix's block row n_tile; kStore: block rows 2 n_tile and 2 n_tile + 1), loaded by
+// the producer with the tile's first stage into a slot of kFp8WeightScaleSlots, read by the
+// consumers with ld.shared. A slot outlives its tile: the producer refills it kStages + 1 tiles
+// later, when the stage it fills proves both consumers released a stage of a later tile (every
+// tile has at least one K block). Each row comes as a 1-D box of fp8_weight_scale_box(k_blocks)
+// floats starting at the 16-byte boundary below the row (a TMA box starts on one), so the row sits
+// (index % 4) floats into its slot; boxes past the array read zeros. NOTES: per-thread loads of
+// the weights' scales (one per half and K block, issued a block ahead) cost ~2% of the FP8 GEMM
+// (docs/design/fp8_forward.md); loading them per stage (two more TMA issues each) cost more than
+// it saved; per tile the producer issues two.
+inline constexpr int kFp8WeightScaleRowBytes = 1024;
+template <int kStages>
+inline constexpr int kFp8WeightScaleSlots = kStages + 1;
+template <int kStages>
+inline constexpr uint32_t kFp8WeightScaleBytes =
+    kFp8WeightScaleSlots<kStages> * 2 * kFp8WeightScaleRowBytes;
+inline constexpr int32_t kFp8MaxKBlocks = fp8::kMaxKBlocks;
+__host__ __device__ constexpr int32_t fp8_weight_scale_box(int32_t k_blocks) {
+  return (k_blocks + 6) / 4 * 4;  // covers k_blocks floats from any of the first 4 positions
+}
+static_assert(fp8_weight_scale_box(kFp8MaxKBlocks) <= 256 &&
+              fp8_weight_scale_box(kFp8MaxKBlocks) * 4 <= kFp8WeightScaleRowBytes);
+
+// The producer's side of both kinds of scales (Operands::kFP8): rows, the rows' scale map and
+// rows_smem its per-stage boxes; weights0 / weights1, 1-D maps over the scales of the halves'
+// weight matrices (kSwiGLU: gate, up; kStore: down twice), weights_smem the slots.
+struct Fp8ScaleLoads {
+  const CUtensorMap* rows = nullptr;
+  uint8_t* rows_smem = nullptr;
+  const CUtensorMap* weights0 = nullptr;
+  const CUtensorMap* weights1 = nullptr;
+  uint8_t* weights_smem = nullptr;
+  int32_t n_blocks = 0;
 };
 
 struct GemmParams {
@@ -135,16 +166,22 @@ using SharedStorage = GemmSmem<kStages, kStagingBytes<kEpi>>;
 
 // Position in the ring of stages, with the phase parity of its barriers (and, for a
 // megakernel's producer, bit i: the parity of stage i's next StageTags::read wait).
+// scale_slot: the FP8 weight-scale slot of the current tile (kFp8WeightScaleSlots), advanced
+// per tile by both sides, which see the same tiles in the same order.
 template <int kStages>
 struct PipelineState {
   int stage = 0;
   uint32_t phase = 0;
   uint32_t tag_parity = 0;
+  int scale_slot = 0;
   __device__ void advance() {
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
     }
+  }
+  __device__ void next_tile() {
+    if (++scale_slot == kFp8WeightScaleSlots<kStages>) scale_slot = 0;
   }
 };
 
@@ -166,6 +203,18 @@ struct ExpertOrder {
 struct WeightOrders {
   ExpertOrder b0, b1;  // of produce_tile's map_b0, map_b1
 };
+
+// Where the scales of the weight block row feeding half `half` of tile c start, in floats of the
+// [experts, n_blocks, k_blocks] array (Operands::kFP8).
+template <Epilogue kEpi>
+__device__ __forceinline__ int32_t fp8_weight_scale_row(const TileCoord& c, int half,
+                                                        int32_t n_blocks, int32_t k_blocks) {
+  // kStore: a last tile past n reads zero weights (TMA), so any block's scale does for its
+  // second half.
+  const int32_t block =
+      kEpi == Epilogue::kSwiGLU ? c.n_tile : min(2 * c.n_tile + half, n_blocks - 1);
+  return (c.expert * n_blocks + block) * k_blocks;
+}
 
 inline constexpr int kRowBoxM = 16;  // granularity of partial row loads (decode-size tiles)
 
@@ -199,6 +248,16 @@ __device__ __forceinline__ uint4 quad_gather_block(const uint32_t (&pairs)[4], i
 // the epilogue keeps the tensor cores idle; it differs by a few ulp (within the CPU reference's
 // tolerances) and gives 0 where 1 + exp(-g) overflows, as the exact value rounds to anyway.
 __device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+
+// silu(g) = g * sigmoid(g) = x + x tanh(x) with x = g / 2: one MUFU operation (tanh.approx,
+// relative error ~2^-11) instead of sigmoid's two (exp, reciprocal). The FP8 epilogue's h is
+// quantized to e4m3 (3 mantissa bits) right after, so the approximation stays below its rounding.
+__device__ __forceinline__ float silu_tanh(float g) {
+  const float x = 0.5f * g;
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x));
+  return fmaf(x, t, x);
+}
 
 __device__ __forceinline__ uint32_t bf16_pair(float v0, float v1) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
@@ -263,7 +322,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              const CUtensorMap* map_b0, const CUtensorMap* map_b1,
                                              const StageTags& tags = {}, int64_t task_id = 0,
                                              int32_t b0_k_blocks = 0,
-                                             const Fp8RowScales& row_scales = {},
+                                             const Fp8ScaleLoads& scales = {},
                                              const WeightOrders& orders = {}) {
   // tags (a megakernel's dynamic schedule): the tile's tag, written next to its first stage for
   // the consumers to read once that stage is full.
@@ -276,6 +335,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
   const uint32_t a_bytes = (full_rows ? kTileRows : row_boxes * kRowBoxM) * kBlockK * 2;
   const uint32_t bytes =
       a_bytes + kTileCols * kBlockK * 2 + (kOp == Operands::kFP8 ? kFp8ScaleBoxBytes : 0);
+  const int32_t w_scale_box = fp8_weight_scale_box(k_blocks);
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
     if (tags.tag && kb == 0) {
@@ -283,7 +343,17 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
       tags.tag[ps.stage] = StageTag{task_id, c};
     }
     uint64_t* full = &s.full[ps.stage];
-    ptx::mbarrier_arrive_expect_tx(full, bytes);
+    if (kOp == Operands::kFP8 && kb == 0) {
+      // The tile's weight scales, counted in its first stage (Fp8ScaleLoads).
+      ptx::mbarrier_arrive_expect_tx(full, bytes + 2 * 4 * w_scale_box);
+      uint8_t* slot = scales.weights_smem + ps.scale_slot * 2 * kFp8WeightScaleRowBytes;
+      const int32_t row0 = fp8_weight_scale_row<kEpi>(c, 0, scales.n_blocks, k_blocks);
+      const int32_t row1 = fp8_weight_scale_row<kEpi>(c, 1, scales.n_blocks, k_blocks);
+      ptx::tma_load_1d(slot, scales.weights0, row0 & ~3, full);
+      ptx::tma_load_1d(slot + kFp8WeightScaleRowBytes, scales.weights1, row1 & ~3, full);
+    } else {
+      ptx::mbarrier_arrive_expect_tx(full, bytes);
+    }
     if (full_rows) {
       ptx::tma_load_2d(s.a[ps.stage], map_a, kb * kKElems, c.a_row, full);
     } else {
@@ -295,7 +365,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
     // 16-byte boundary in its innermost dimension (otherwise: illegal instruction), so each stage
     // loads the aligned group of four K blocks holding its own.
     if constexpr (kOp == Operands::kFP8)
-      ptx::tma_load_2d(row_scales.smem + ps.stage * kFp8ScaleBoxBytes, row_scales.map,
+      ptx::tma_load_2d(scales.rows_smem + ps.stage * kFp8ScaleBoxBytes, scales.rows,
                        (kb & ~3) * 4, c.a_row, full);
     if constexpr (kMajor == WeightMajor::kN) {
       // Four boxes of 64 N x 64 K, 8 KB apart (the layout smem_desc_n_major_sw128 describes).
@@ -320,6 +390,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                        orders.b0(c.expert), full);
     }
   }
+  ps.next_tile();
 }
 
 // TMA stores of one consumer warpgroup's staged output rows (64 rows x kOutCols columns: bf16
@@ -389,8 +460,7 @@ __device__ __forceinline__ void fp8_turn_pass(int wg) {
 // The FP8 mainloop of one consumer warpgroup (Operands::kFP8): per K block, each 128-column
 // half of the tile as four m64n128k32 e4m3 wgmmas into `part` (in turns with the other
 // warpgroup), then promoted into acc (the half's registers of an m64n256 accumulator) scaled by
-// the row's and the half's block scale. The rows' scales come with the stage (Fp8RowScales); the
-// weights' are loaded one block ahead, while the wgmmas of the current one run.
+// the row's and the half's block scale, both read from shared memory (Fp8Scales).
 template <Epilogue kEpi, int kStages, int kStaging>
 __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
@@ -398,18 +468,11 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                              float (&acc)[kTileCols / 2]) {
   const int tid = threadIdx.x % 128, warp = tid / 32, g = tid % 32 / 4;
   const uint32_t row_scale0 = ptx::smem_addr(sc.a_smem) + (wg * 64 + warp * 16 + g) * 16;
-  const int64_t expert_blocks = int64_t{c.expert} * sc.n_blocks;
-  const float* b0s;
-  const float* b1s;
-  if constexpr (kEpi == Epilogue::kSwiGLU) {
-    b0s = sc.b0 + (expert_blocks + c.n_tile) * sc.k_blocks;
-    b1s = sc.b1 + (expert_blocks + c.n_tile) * sc.k_blocks;
-  } else {
-    // A last tile past n reads zero weights (TMA): any block's scale will do for its second half.
-    const int32_t second = min(2 * c.n_tile + 1, sc.n_blocks - 1);
-    b0s = sc.b0 + (expert_blocks + 2 * c.n_tile) * sc.k_blocks;
-    b1s = sc.b0 + (expert_blocks + second) * sc.k_blocks;
-  }
+  const uint32_t slot =
+      ptx::smem_addr(sc.b_smem) + ps.scale_slot * 2 * kFp8WeightScaleRowBytes;
+  const uint32_t b0s = slot + (fp8_weight_scale_row<kEpi>(c, 0, sc.n_blocks, k_blocks) & 3) * 4;
+  const uint32_t b1s = slot + kFp8WeightScaleRowBytes +
+                       (fp8_weight_scale_row<kEpi>(c, 1, sc.n_blocks, k_blocks) & 3) * 4;
   const uint64_t a_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
   const uint64_t b_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
   constexpr uint32_t kHalfBytes = kTileCols / 2 * 128;  // a half's 128 weight rows of 128 B
@@ -418,12 +481,11 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
 #pragma unroll
   for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
   float part[kTileCols / 4];
-  float next_b0 = __ldg(b0s), next_b1 = __ldg(b1s);
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
-    const float sb0 = next_b0, sb1 = next_b1;
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
     const uint32_t box = row_scale0 + ps.stage * kFp8ScaleBoxBytes + (kb & 3) * 4;
     const float sa0 = ptx::ld_shared_f32(box), sa1 = ptx::ld_shared_f32(box + 8 * 16);
+    const float sb0 = ptx::ld_shared_f32(b0s + kb * 4), sb1 = ptx::ld_shared_f32(b1s + kb * 4);
     const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));
     const uint64_t b_desc = ptx::smem_desc_advance(b_desc0, ps.stage * sizeof(s.b[0]));
 #pragma unroll
@@ -437,10 +499,6 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                    kk > 0);
       ptx::wgmma_commit_group();
       fp8_turn_pass(wg);
-      // The next block's weight scales. NOTES: issued after the first half's wgmmas rather than
-      // before them: measurably faster at large row counts (docs/design/fp8_forward.md).
-      if (half == 0 && kb + 1 < k_blocks)
-        next_b0 = __ldg(b0s + kb + 1), next_b1 = __ldg(b1s + kb + 1);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(part);
       if (half == 1 && tid == 0) ptx::mbarrier_arrive(&s.empty[ps.stage]);
@@ -485,6 +543,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
         }
     }
     sink.skip(wg, tid);
+    ps.next_tile();
     return;
   }
   if constexpr (Sink::kDirect) sink.prepare(c, wg, tid);
@@ -536,6 +595,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     ptx::wgmma_fence_operands(acc);
     if (k_blocks > 0 && tid == 0) ptx::mbarrier_arrive(&s.empty[release.stage]);
   }
+  ps.next_tile();
 
   if constexpr (Sink::kDirect) {
     static_assert(kEpi == Epilogue::kStore, "direct sinks take plain outputs");
@@ -575,7 +635,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float gate = acc[4 * j + i], up = acc[kUp + 4 * j + i];
-          acc[4 * j + i] = gate * sigmoid(gate) * up;
+          acc[4 * j + i] = silu_tanh(gate) * up;
           amax[i / 2] = fp8::amax_nan(amax[i / 2], fabsf(acc[4 * j + i]));
         }
       float scale[2];
@@ -660,12 +720,16 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1,
                         const __grid_constant__ CUtensorMap map_out,
-                        const __grid_constant__ CUtensorMap map_a_scales, const GemmParams p) {
+                        const __grid_constant__ CUtensorMap map_a_scales,
+                        const __grid_constant__ CUtensorMap map_b_scales, const GemmParams p) {
   auto& s = dynamic_smem<SharedStorage<kEpi, kStages>>();
-  // Operands::kFP8: the stages' row-scale boxes after the storage (shared_bytes counts them).
+  // Operands::kFP8: the stages' row-scale boxes, then the weight-scale slots, after the storage
+  // (shared_bytes counts them).
   uint8_t* row_scale_boxes = reinterpret_cast<uint8_t*>(&s) + sizeof(s);
+  uint8_t* weight_scale_slots = row_scale_boxes + kStages * kFp8ScaleBoxBytes;
   Fp8Scales fp8 = p.fp8;
   fp8.a_smem = row_scale_boxes;
+  fp8.b_smem = weight_scale_slots;
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     check_dynamic_smem_alignment();
@@ -675,7 +739,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::prefetch_tensor_map(&map_b0);
     if constexpr (kEpi == Epilogue::kSwiGLU) ptx::prefetch_tensor_map(&map_b1);
     ptx::prefetch_tensor_map(&map_out);
-    if constexpr (kOp == Operands::kFP8) ptx::prefetch_tensor_map(&map_a_scales);
+    if constexpr (kOp == Operands::kFP8) {
+      ptx::prefetch_tensor_map(&map_a_scales);
+      ptx::prefetch_tensor_map(&map_b_scales);
+    }
   }
   __syncthreads();
 
@@ -693,7 +760,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         produce_tile<kEpi, kStages, kStagingBytes<kEpi>, kMajor, kOp>(
             s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts),
             k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{}, 0, p.b0_k_blocks,
-            Fp8RowScales{&map_a_scales, row_scale_boxes});
+            Fp8ScaleLoads{&map_a_scales, row_scale_boxes, &map_b_scales, &map_b_scales,
+                          weight_scale_slots, p.fp8.n_blocks});
     }
   } else {
     ptx::warpgroup_reg_alloc<232>();
@@ -710,9 +778,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <Epilogue kEpi, int kStages, Operands kOp = Operands::kBF16>
 constexpr size_t shared_bytes() {
-  // + the FP8 row-scale boxes
+  // + the FP8 row-scale boxes and weight-scale slots (both 128-byte multiples: TMA destinations)
+  static_assert(kFp8ScaleBoxBytes % 128 == 0 && sizeof(SharedStorage<kEpi, kStages>) % 128 == 0);
   return sizeof(SharedStorage<kEpi, kStages>) +
-         (kOp == Operands::kFP8 ? kStages * kFp8ScaleBoxBytes : 0);
+         (kOp == Operands::kFP8 ? kStages * kFp8ScaleBoxBytes + kFp8WeightScaleBytes<kStages> : 0);
 }
 
 // Host side: the TMA maps the GEMM reads and writes (false if the driver refuses one).
@@ -802,8 +871,9 @@ cudaError_t launch_grouped_gemm(const void* rows, int64_t max_rows, const CUtens
                                            static_cast<int>(smem));
       e != cudaSuccess)
     return e;
-  // bf16 has no row-scale map: map_a fills its unused slot.
-  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_a_rows, map_b0, map_b1, map_out, map_a, p);
+  // bf16 has no scale maps: map_a fills their unused slots.
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_a_rows, map_b0, map_b1, map_out, map_a,
+                                           map_a, p);
   return cudaGetLastError();
 }
 

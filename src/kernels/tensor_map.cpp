@@ -72,6 +72,11 @@ Status encode_u8_tensor_map_unswizzled(CUtensorMap* map, const void* base, int r
                            strides_bytes, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
+Status encode_f32_vector_map(CUtensorMap* map, const void* base, uint64_t n, uint32_t box) {
+  return encode_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, 1, &n, &box, nullptr,
+                           CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
 Status encode_f32_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                              const uint32_t* box, const uint64_t* strides_bytes) {
   return encode_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, rank, dims, box,

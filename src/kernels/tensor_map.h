@@ -25,6 +25,9 @@ Status encode_u8_tensor_map(CUtensorMap* map, const void* base, int rank, const 
 Status encode_u8_tensor_map_unswizzled(CUtensorMap* map, const void* base, int rank,
                                        const uint64_t* dims, const uint32_t* box,
                                        const uint64_t* strides_bytes = nullptr);
+// A vector of n fp32 loaded unswizzled in boxes of `box` elements (a multiple of 4, at most 256;
+// the box's first element on a 16-byte boundary); elements past n read as zeros.
+Status encode_f32_vector_map(CUtensorMap* map, const void* base, uint64_t n, uint32_t box);
 // The same for an fp32 tensor (box[0] * 4 must be 128 bytes).
 Status encode_f32_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                              const uint32_t* box, const uint64_t* strides_bytes = nullptr);

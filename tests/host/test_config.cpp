@@ -261,6 +261,8 @@ TEST(LayerCreate, Fp8IsForwardOnlyWithBlockMultiples) {
   c.with_backward = false;
   c.intermediate = 2048 + 64;
   expect_invalid(validate(c), "multiples of 128");
+  c.intermediate = 128 * 254;  // a tile's weight scales must fit shared memory
+  expect_invalid(validate(c), "up to 32384");
 }
 
 TEST(ForwardArgsValidate, Fp8LayerNeedsFp8WeightsAndQuantizationABuffer) {
@@ -270,6 +272,12 @@ TEST(ForwardArgsValidate, Fp8LayerNeedsFp8WeightsAndQuantizationABuffer) {
   a.num_tokens = 0;
   a.weights.gate = a.weights.up = a.weights.down = reinterpret_cast<const __nv_bfloat16*>(64);
   expect_invalid(validate(c, a), "ExpertWeights::fp8");
+  a.weights.fp8.gate = a.weights.fp8.up = a.weights.fp8.down = reinterpret_cast<const uint8_t*>(64);
+  a.weights.fp8.gate_scales = a.weights.fp8.up_scales = reinterpret_cast<const float*>(64);
+  a.weights.fp8.down_scales = reinterpret_cast<const float*>(68);
+  expect_invalid(validate(c, a), "16-byte aligned");
+  a.weights.fp8.down_scales = reinterpret_cast<const float*>(80);
+  EXPECT_TRUE(validate(c, a).ok());
   // Each of the three: E_local x 2048 x 7168 bytes and E_local x 16 x 56 fp32 scales.
   const int64_t E = c.experts_per_rank();
   const int64_t matrix = E * 2048 * 7168, scales = E * 16 * 56 * 4;

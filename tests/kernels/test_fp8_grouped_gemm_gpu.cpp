@@ -124,6 +124,13 @@ TEST(Fp8GroupedGemmGpu, RaggedExpertsSmallShape) {
   run_case({256, 384, {200, 0, 77, 128}, 0});
 }
 
+// K blocks not a multiple of four (each tile's weight-scale rows start at every offset from a
+// 16-byte boundary) and a last 256-column tile past n (its second half's scales clamped).
+TEST(Fp8GroupedGemmGpu, OddBlockCountsAndPartialLastTile) {
+  EPFLOW_SKIP_WITHOUT_GPU();
+  run_case({384, 640, {130, 40, 0, 256, 7}, 0});
+}
+
 TEST(Fp8GroupedGemmGpu, DeepSeekV3GateShapeSampled) {
   EPFLOW_SKIP_WITHOUT_GPU();
   run_case({2048, 7168, {300, 128, 5, 0, 1000}, 12});
@@ -135,6 +142,9 @@ TEST(Fp8GroupedGemmGpu, RejectsBadShapes) {
   args.segments = kernels::ExpertSegments{1, 128, nullptr, nullptr};
   args.n = 100;  // not a multiple of 128
   args.k = 128;
+  EXPECT_EQ(kernels::launch_fp8_grouped_gemm(args, nullptr), cudaErrorInvalidValue);
+  args.n = 128;
+  args.k = 128 * (fp8::kMaxKBlocks + 1);  // a tile's weight scales would not fit shared memory
   EXPECT_EQ(kernels::launch_fp8_grouped_gemm(args, nullptr), cudaErrorInvalidValue);
 }
 

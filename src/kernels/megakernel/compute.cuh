@@ -27,35 +27,29 @@ namespace epflow::kernels::megakernel {
 // weights w2a, w2b. Each pass's launcher encodes the weights' maps.
 struct Maps {
   CUtensorMap rows1, rows1_few, w1a, w1b, h_out, rows2, rows2_few, w2a, w2b;
-  CUtensorMap rows1_scales, rows2_scales;  // FP8: the ring rows' scales (gemm::Fp8RowScales)
+  // FP8 (gemm::Fp8ScaleLoads): the ring rows' scales; the weights' scales (gate, up, down).
+  CUtensorMap rows1_scales, rows2_scales, w1a_scales, w1b_scales, w2_scales;
   gemm::WeightOrders w1, w2;               // of w1a / w1b and w2a / w2b
 };
 
-__device__ __forceinline__ uint8_t* fp8_row_scale_boxes(MegaSmem& smem) {
-  return smem.fp8_row_scales[0];
-}
-
-// The FP8 forward's block scales (grouped_gemm.cuh's Fp8Scales): the rows' in shared memory
-// (loaded with each stage from the ring's packed rows, Maps::rows*_scales); the weights' as given.
-__device__ __forceinline__ gemm::Fp8Scales fp8_gate_up_scales(const MegakernelArgs& a,
-                                                               MegaSmem& smem) {
+// The FP8 forward's block scales (grouped_gemm.cuh's Fp8Scales), all in shared memory: the rows'
+// (loaded with each stage from the ring's packed rows, Maps::rows*_scales) and the weights' (with
+// each tile's first stage, Maps::w*_scales).
+__device__ __forceinline__ gemm::Fp8Scales fp8_scales(MegaSmem& smem, int32_t n, int32_t k) {
   gemm::Fp8Scales s;
-  s.a_smem = fp8_row_scale_boxes(smem);
-  s.b0 = a.w_gate_scales;
-  s.b1 = a.w_up_scales;
-  s.n_blocks = a.intermediate / fp8::kBlock;
-  s.k_blocks = a.hidden / fp8::kBlock;
-  s.power_of_two = a.fp8_pow2_scales;
+  s.a_smem = smem.fp8_row_scales[0];
+  s.b_smem = smem.fp8_weight_scales;
+  s.n_blocks = n / fp8::kBlock;
+  s.k_blocks = k / fp8::kBlock;
   return s;
 }
-__device__ __forceinline__ gemm::Fp8Scales fp8_down_scales(const MegakernelArgs& a,
-                                                            MegaSmem& smem) {
-  gemm::Fp8Scales s;
-  s.a_smem = fp8_row_scale_boxes(smem);
-  s.b0 = s.b1 = a.w_down_scales;
-  s.n_blocks = a.hidden / fp8::kBlock;
-  s.k_blocks = a.intermediate / fp8::kBlock;
-  return s;
+__device__ __forceinline__ gemm::Fp8ScaleLoads fp8_scale_loads(MegaSmem& smem,
+                                                                const CUtensorMap* rows,
+                                                                const CUtensorMap* weights0,
+                                                                const CUtensorMap* weights1,
+                                                                int32_t n) {
+  return gemm::Fp8ScaleLoads{rows,     smem.fp8_row_scales[0],   weights0,
+                             weights1, smem.fp8_weight_scales, n / fp8::kBlock};
 }
 
 // Compute partition: the GEMM CTA of grouped_gemm.cuh (producer warpgroup + two consumer
@@ -120,12 +114,15 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<P::kGateUpEpilogue, kStages, kStaging, P::kWeights, kOp>(
               smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b, tags, i, 0,
-              gemm::Fp8RowScales{&m.rows1_scales, fp8_row_scale_boxes(smem)}, m.w1);
+              fp8_scale_loads(smem, &m.rows1_scales, &m.w1a_scales, &m.w1b_scales,
+                              a.intermediate),
+              m.w1);
         else
           gemm::produce_tile<Epilogue::kStore, kStages, kStaging, P::kWeights, kOp>(
               smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b, tags, i,
               P::kDownKParts > 1 ? a.intermediate / gemm::kBlockK : 0,
-              gemm::Fp8RowScales{&m.rows2_scales, fp8_row_scale_boxes(smem)}, m.w2);
+              fp8_scale_loads(smem, &m.rows2_scales, &m.w2_scales, &m.w2_scales, a.hidden),
+              m.w2);
         record_progress(a, kProducerLoaded, i);
         trace_task(a, traced + static_cast<int32_t>(n), i, t, taken, ready);
       }
@@ -180,8 +177,9 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     RingSink ring{&staging, &a};
     PushCombineSink push{&staging};
     DhSink dh{&a};
-    const gemm::Fp8Scales gate_up_scales = fp8_gate_up_scales(a, smem),
-                          down_scales = fp8_down_scales(a, smem);
+    gemm::Fp8Scales gate_up_scales = fp8_scales(smem, a.intermediate, a.hidden);
+    gate_up_scales.power_of_two = a.fp8_pow2_scales;
+    const gemm::Fp8Scales down_scales = fp8_scales(smem, a.hidden, a.intermediate);
     if constexpr (kOp == gemm::Operands::kFP8) gemm::fp8_turns_begin(wg - 1);
     // The trace's consumer times: thread 0 of the first consumer warpgroup, tasks in the
     // producer's order (its record n is the producer's).

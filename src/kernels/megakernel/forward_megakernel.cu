@@ -48,7 +48,16 @@ bool encode_fp8_forward_maps(const MegakernelArgs& a, Maps* m) {
                   encode_u8_tensor_map(&m->w1a, a.w_gate_fp8, 3, gate_dims, gate_box).ok() &&
                   encode_u8_tensor_map(&m->w1b, a.w_up_fp8, 3, gate_dims, gate_box).ok() &&
                   encode_u8_tensor_map(&m->h_out, a.ring_h, 2, h_dims, h_box, h_stride).ok() &&
-                  encode_u8_tensor_map(&m->w2a, a.w_down_fp8, 3, down_dims, down_box).ok();
+                  encode_u8_tensor_map(&m->w2a, a.w_down_fp8, 3, down_dims, down_box).ok() &&
+                  encode_f32_vector_map(&m->w1a_scales, a.w_gate_scales, E * I * H / (kK * kK),
+                                        gemm::fp8_weight_scale_box(int32_t(H / kK)))
+                      .ok() &&
+                  encode_f32_vector_map(&m->w1b_scales, a.w_up_scales, E * I * H / (kK * kK),
+                                        gemm::fp8_weight_scale_box(int32_t(H / kK)))
+                      .ok() &&
+                  encode_f32_vector_map(&m->w2_scales, a.w_down_scales, E * H * I / (kK * kK),
+                                        gemm::fp8_weight_scale_box(int32_t(I / kK)))
+                      .ok();
   m->w2b = m->w2a;
   return ok;
 }
@@ -63,7 +72,9 @@ cudaError_t launch_forward_megakernel(const MegakernelArgs& a, int32_t sm_count,
   if (a.fp8) {
     // FP8 K blocks are 128 wide; the forward keeps no g | u for a backward in FP8.
     megakernel::Maps m;
-    if (a.hidden % fp8::kBlock != 0 || a.intermediate % fp8::kBlock != 0 || a.gate_up_out ||
+    if (a.hidden % fp8::kBlock != 0 || a.intermediate % fp8::kBlock != 0 ||
+        a.hidden / fp8::kBlock > gemm::kFp8MaxKBlocks ||
+        a.intermediate / fp8::kBlock > gemm::kFp8MaxKBlocks || a.gate_up_out ||
         !a.w_gate_scales || !a.w_up_scales || !a.w_down_scales ||
         !megakernel::encode_fp8_forward_maps(a, &m))
       return cudaErrorInvalidValue;

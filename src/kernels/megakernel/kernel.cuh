@@ -72,8 +72,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
       ptx::prefetch_tensor_map(map);
     if constexpr (!P::kBackward) ptx::prefetch_tensor_map(&maps.h_out);
     if constexpr (P::kOperands == gemm::Operands::kFP8) {
-      ptx::prefetch_tensor_map(&maps.rows1_scales);
-      ptx::prefetch_tensor_map(&maps.rows2_scales);
+      for (const CUtensorMap* map : {&maps.rows1_scales, &maps.rows2_scales, &maps.w1a_scales,
+                                     &maps.w1b_scales, &maps.w2_scales})
+        ptx::prefetch_tensor_map(map);
     }
   }
   __syncthreads();

@@ -15,7 +15,8 @@ namespace epflow::kernels::megakernel {
 // in registers). Down-kind tiles stage their bf16 rows for the store warps' bulk copies into the
 // rows' combine slots: 64 rows of kTileCols bf16 per warpgroup, each row padded by 16 bytes so
 // a warp's 4-byte stores (8 rows x 4 lanes) hit 32 different banks.
-// 3 x 48 KB of A/B tiles + 2 x 33 KB of staging + the FP8 rows' scale boxes: 216 KB of 227.
+// 3 x 48 KB of A/B tiles + 2 x 33 KB of staging + the FP8 rows' scale boxes and weights' scale
+// slots: 224 KB of 227.
 // NOTES: a fourth stage (with the down tiles pushed from registers, no room for their staging)
 // ran no faster than three.
 inline constexpr int kStages = 3;
@@ -39,8 +40,9 @@ inline constexpr int kPullWarps = 4;
 
 struct alignas(1024) MegaSmem {
   gemm::GemmSmem<kStages, kStaging> gemm;
-  // FP8: the stages' boxes of the rows' scales (gemm::Fp8RowScales).
+  // FP8: the stages' boxes of the rows' scales and the weights' scale slots (gemm::Fp8ScaleLoads).
   alignas(128) uint8_t fp8_row_scales[kStages][gemm::kFp8ScaleBoxBytes];
+  alignas(128) uint8_t fp8_weight_scales[gemm::kFp8WeightScaleBytes<kStages>];
   // Consumer warpgroup w -> its store warp: "staging w holds a tile" / "staging w is free".
   uint64_t staging_full[2];
   uint64_t staging_empty[2];

@@ -52,6 +52,13 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 }
 
 // Tile loads: coordinates innermost first, in elements; completion counted on `bar` in bytes.
+__device__ __forceinline__ void tma_load_1d(void* smem_dst, const CUtensorMap* map, int32_t c0,
+                                           uint64_t* bar) {
+  const int32_t coords[1] = {c0};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_shared, cuda::ptx::space_global, smem_dst, map,
+                                  coords, bar);
+}
+
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map, int32_t c0,
                                            int32_t c1, uint64_t* bar) {
   const int32_t coords[2] = {c0, c1};
