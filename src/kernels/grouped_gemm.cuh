@@ -292,6 +292,7 @@ __device__ __forceinline__ TileCoord tile_coord(int64_t t, int32_t m_tiles, int3
 // consumers start their MMAs without dependent global loads of their own.
 struct StageTag {
   int64_t task;
+  int32_t kind;  // the task's kind (the megakernel's mega::TaskKind)
   TileCoord tile;
 };
 
@@ -321,7 +322,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
                                              const CUtensorMap* map_a_rows,
                                              const CUtensorMap* map_b0, const CUtensorMap* map_b1,
                                              const StageTags& tags = {}, int64_t task_id = 0,
-                                             int32_t b0_k_blocks = 0,
+                                             int32_t task_kind = 0, int32_t b0_k_blocks = 0,
                                              const Fp8ScaleLoads& scales = {},
                                              const WeightOrders& orders = {}) {
   // tags (a megakernel's dynamic schedule): the tile's tag, written next to its first stage for
@@ -340,7 +341,7 @@ __device__ __forceinline__ void produce_tile(GemmSmem<kStages, kStaging>& s,
     ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
     if (tags.tag && kb == 0) {
       wait_tag_read(tags, ps);
-      tags.tag[ps.stage] = StageTag{task_id, c};
+      tags.tag[ps.stage] = StageTag{task_id, task_kind, c};
     }
     uint64_t* full = &s.full[ps.stage];
     if (kOp == Operands::kFP8 && kb == 0) {
@@ -759,7 +760,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
         produce_tile<kEpi, kStages, kStagingBytes<kEpi>, kMajor, kOp>(
             s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts),
-            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{}, 0, p.b0_k_blocks,
+            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{}, 0, 0, p.b0_k_blocks,
             Fp8ScaleLoads{&map_a_scales, row_scale_boxes, &map_b_scales, &map_b_scales,
                           weight_scale_slots, p.fp8.n_blocks});
     }

@@ -92,6 +92,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         if (i < tasks) {
           const Task t = mega::compute_task(s, i);
           smem.next_tile = tile_of(a, s, t);
+          smem.next_kind = static_cast<int32_t>(t.kind);
           wait_for_task<P>(a, s, t, true);
         }
         smem.next_task = i < tasks ? i : -1;
@@ -105,21 +106,24 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         ptx::mbarrier_wait(&smem.next_full, n & 1);
         const int64_t i = smem.next_task;
         const gemm::TileCoord c = smem.next_tile;
+        const int32_t kind = smem.next_kind;
         const uint64_t taken = smem.next_taken, ready = smem.next_ready;
         ptx::mbarrier_arrive(&smem.next_empty);
         if (i < 0) break;
         cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // TMA reads what was waited for
-        const Task t = mega::compute_task(s, i);
+        // The scheduler decoded the task (its index divided by the list's shape: 64-bit
+        // divisions, a few hundred instructions): its kind and tile come with it.
+        const Task t{static_cast<TaskKind>(kind), c.m_tile, c.n_tile};
         // A split K (the backward's [dg | du]) reads its first I columns' weights from w2a.
         if (t.kind == TaskKind::kGateUp)
           gemm::produce_tile<P::kGateUpEpilogue, kStages, kStaging, P::kWeights, kOp>(
-              smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b, tags, i, 0,
+              smem.gemm, ps, c, k_gate_up, &m.rows1, &m.rows1_few, &m.w1a, &m.w1b, tags, i, kind, 0,
               fp8_scale_loads(smem, &m.rows1_scales, &m.w1a_scales, &m.w1b_scales,
                               a.intermediate),
               m.w1);
         else
           gemm::produce_tile<Epilogue::kStore, kStages, kStaging, P::kWeights, kOp>(
-              smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b, tags, i,
+              smem.gemm, ps, c, k_down, &m.rows2, &m.rows2_few, &m.w2a, &m.w2b, tags, i, kind,
               P::kDownKParts > 1 ? a.intermediate / gemm::kBlockK : 0,
               fp8_scale_loads(smem, &m.rows2_scales, &m.w2_scales, &m.w2_scales, a.hidden),
               m.w2);
@@ -139,13 +143,12 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         ptx::mbarrier_wait(&smem.staging_full[w], uses & 1);
         const int64_t i = staged[w].task;
         if (i < 0) break;
-        const Task t = mega::compute_task(s, i);
+        const TaskKind kind = static_cast<TaskKind>(staged[w].kind);
         // The consumers' tile (the scheduler looked it up once): no global loads before the stores.
         const volatile gemm::TileCoord& tag = staged[w].tile;
         const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
-        uint32_t* counter =
-            counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
-        if (t.kind != TaskKind::kGateUp) {
+        uint32_t* counter = counter_of(a, c.a_row / kTileRows, mega::signalled_counter(kind));
+        if (kind != TaskKind::kGateUp) {
           // Down kind: the tile's MMAs are done (its signal), then the rows to their slots.
           if (lane0) {
             ptx::signal_counter(counter);
@@ -189,17 +192,18 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
       ptx::mbarrier_wait(&smem.gemm.full[ps.stage], ps.phase);  // the tile's first stage
       const uint64_t began = tracer ? ptx::global_timer_ns() : 0;
       const int64_t i = stage_tag[ps.stage].task;
+      const TaskKind kind = static_cast<TaskKind>(stage_tag[ps.stage].kind);
       const volatile gemm::TileCoord& tag = stage_tag[ps.stage].tile;
       const gemm::TileCoord c{tag.m_tile, tag.n_tile, tag.expert, tag.rows, tag.a_row};
       ptx::mbarrier_arrive(&smem.tag_read[ps.stage]);
       if (i < 0) break;
       // Written now: nothing of the trace stays live in registers across the tile.
       if (tracer) trace_consumer_begin(a, n, waited, began);
-      const Task t = mega::compute_task(s, i);
-      uint32_t* counter =
-          counter_of(a, mega::ring_slot_of_tile(s, t.m_tile), mega::signalled_counter(t.kind));
+      // The tile's ring slot (its rows' place in the ring) and kind come with its tag: decoding
+      // the task index here (64-bit divisions) held both warpgroups between tiles.
+      uint32_t* counter = counter_of(a, c.a_row / kTileRows, mega::signalled_counter(kind));
       if (tid == 0) record_progress(a, kConsumerTaken + wg - 1, i);
-      if (t.kind == TaskKind::kGateUp) {
+      if (kind == TaskKind::kGateUp) {
         if constexpr (P::kBackward) {
           dh.counter = counter;
           dh.c = c;
@@ -224,7 +228,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     }
     // Stop this warpgroup's store warp (through its staging handshake, phases kept).
     staging.acquire(wg - 1);
-    if (tid == 0) staging.publish(wg - 1, -1, gemm::TileCoord{});
+    if (tid == 0) staging.publish(wg - 1, -1, TaskKind::kDispatch, gemm::TileCoord{});
   }
 }
 

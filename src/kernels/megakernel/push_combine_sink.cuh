@@ -48,7 +48,7 @@ struct PushCombineSink {
   __device__ __forceinline__ void end(int w, int t) {
     ptx::fence_shared_to_async_proxy();
     ptx::named_barrier_sync(1 + w, 128);
-    if (t == 0) staging->publish(w, task, tile);
+    if (t == 0) staging->publish(w, task, mega::TaskKind::kDown, tile);
   }
   __device__ __forceinline__ void skip(int, int t) {
     if (t == 0) ptx::signal_counter(counter);

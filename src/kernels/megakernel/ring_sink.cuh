@@ -33,7 +33,7 @@ struct RingSink {
   __device__ __forceinline__ void acquire(int wg, int) { staging->acquire(wg); }
   __device__ __forceinline__ void publish(int wg, int tid, const uint8_t*,
                                           const gemm::TileCoord& c) {
-    if (tid == 0) staging->publish(wg, task, c);
+    if (tid == 0) staging->publish(wg, task, mega::TaskKind::kGateUp, c);
   }
   // FP8: the scale of h row `row` (of the warpgroup's 64) of the tile's 128-column block, after
   // its packed row's values; the store warp's signal publishes it with the values.

@@ -55,6 +55,7 @@ struct alignas(1024) MegaSmem {
   // was claimed and its waits passed (trace); "next holds a task" / "next is free".
   uint64_t next_full, next_empty;
   int64_t next_task;
+  int32_t next_kind;  // mega::TaskKind of next_task
   gemm::TileCoord next_tile;
   uint64_t next_taken, next_ready;
   uint64_t pull_full[kMaxPullRows];  // dispatch row buffer i holds its row
@@ -73,8 +74,9 @@ struct StagingHandshake {
     ptx::mbarrier_wait(&s->staging_empty[wg], (uses & 1) ^ 1);
     ++uses;
   }
-  __device__ __forceinline__ void publish(int wg, int64_t task, const gemm::TileCoord& c) {
-    s->staged[wg] = gemm::StageTag{task, c};
+  __device__ __forceinline__ void publish(int wg, int64_t task, mega::TaskKind kind,
+                                          const gemm::TileCoord& c) {
+    s->staged[wg] = gemm::StageTag{task, static_cast<int32_t>(kind), c};
     ptx::mbarrier_arrive(&s->staging_full[wg]);
   }
 };
