@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
       const CUtensorMap* w = matrix == 0 ? &map_gate : &map_up;
       const gemm::ExpertOrder order = matrix == 0 ? p.gate_order : p.up_order;
       gemm::produce_tile<Epilogue::kStore, kStages, gemm::kStagingBytes<Epilogue::kStore>>(
-          s, ps, c, p.k_blocks, &map_a, &map_a_rows, w, w, {}, 0, 0, {},
+          s, ps, c, p.k_blocks, &map_a, &map_a_rows, w, w, {}, 0, 0, 0, {},
           gemm::WeightOrders{order, order});
     }
   } else {
