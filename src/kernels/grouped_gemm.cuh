@@ -713,6 +713,22 @@ __device__ __forceinline__ void init_stage_barriers(GemmSmem<kStages, kStaging>&
   ptx::mbarrier_init_fence();
 }
 
+// The standalone driver's stage tags (StageTags): the producer looks each tile up (the tile
+// index's 64-bit divisions, the expert's search through seg_offset) while it runs ahead, and the
+// consumers read the tile with its first stage instead of repeating that between tiles.
+template <int kStages>
+struct StandaloneTags {
+  StageTag tag[kStages];
+  uint64_t read[kStages];
+};
+// Where the tags sit: after the storage and, for FP8, the scale boxes and slots.
+template <Epilogue kEpi, int kStages, Operands kOp>
+constexpr size_t standalone_tags_offset() {
+  static_assert(kFp8ScaleBoxBytes % 128 == 0 && sizeof(SharedStorage<kEpi, kStages>) % 128 == 0);
+  return sizeof(SharedStorage<kEpi, kStages>) +
+         (kOp == Operands::kFP8 ? kStages * kFp8ScaleBoxBytes + kFp8WeightScaleBytes<kStages> : 0);
+}
+
 // Standalone persistent driver: every CTA walks tiles blockIdx.x, + gridDim.x, ...
 template <Epilogue kEpi, int kStages, WeightMajor kMajor, Operands kOp = Operands::kBF16>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -731,10 +747,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   Fp8Scales fp8 = p.fp8;
   fp8.a_smem = row_scale_boxes;
   fp8.b_smem = weight_scale_slots;
+  auto* tags = reinterpret_cast<StandaloneTags<kStages>*>(
+      reinterpret_cast<uint8_t*>(&s) + standalone_tags_offset<kEpi, kStages, kOp>());
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     check_dynamic_smem_alignment();
-    init_stage_barriers(s);
+    for (int i = 0; i < kStages; ++i) ptx::mbarrier_init(&tags->read[i], kTagReaders);
+    init_stage_barriers(s);  // and the fence that publishes every barrier
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_a_rows);
     ptx::prefetch_tensor_map(&map_b0);
@@ -760,7 +779,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x)
         produce_tile<kEpi, kStages, kStagingBytes<kEpi>, kMajor, kOp>(
             s, ps, tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts),
-            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{}, 0, 0, p.b0_k_blocks,
+            k_blocks, &map_a, &map_a_rows, &map_b0, &map_b1, StageTags{tags->tag, tags->read}, t,
+            0, p.b0_k_blocks,
             Fp8ScaleLoads{&map_a_scales, row_scale_boxes, &map_b_scales, &map_b_scales,
                           weight_scale_slots, p.fp8.n_blocks});
     }
@@ -768,8 +788,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::warpgroup_reg_alloc<232>();
     if constexpr (kOp == Operands::kFP8) fp8_turns_begin(wg - 1);
     DirectStoreSink<kEpi> sink{&map_out};
+    volatile StageTag* tag = tags->tag;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const TileCoord c = tile_coord(t, m_tiles, n_tiles, p.seg_offset, p.expert_rows, p.experts);
+      ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);  // the tile's first stage, and its tag
+      const volatile TileCoord& v = tag[ps.stage].tile;
+      const TileCoord c{v.m_tile, v.n_tile, v.expert, v.rows, v.a_row};
+      ptx::mbarrier_arrive(&tags->read[ps.stage]);
       consume_tile<kEpi, kStages, kStagingBytes<kEpi>, DirectStoreSink<kEpi>, kMajor,
                    RowsMajor::kK, kOp>(s, ps, c, k_blocks, wg - 1, sink, fp8);
     }
@@ -779,10 +803,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <Epilogue kEpi, int kStages, Operands kOp = Operands::kBF16>
 constexpr size_t shared_bytes() {
-  // + the FP8 row-scale boxes and weight-scale slots (both 128-byte multiples: TMA destinations)
-  static_assert(kFp8ScaleBoxBytes % 128 == 0 && sizeof(SharedStorage<kEpi, kStages>) % 128 == 0);
-  return sizeof(SharedStorage<kEpi, kStages>) +
-         (kOp == Operands::kFP8 ? kStages * kFp8ScaleBoxBytes + kFp8WeightScaleBytes<kStages> : 0);
+  // + the FP8 row-scale boxes and weight-scale slots (both 128-byte multiples: TMA
+  // destinations), then the stage tags
+  return standalone_tags_offset<kEpi, kStages, kOp>() + sizeof(StandaloneTags<kStages>);
 }
 
 // Host side: the TMA maps the GEMM reads and writes (false if the driver refuses one).
