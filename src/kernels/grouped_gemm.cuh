@@ -723,7 +723,7 @@ struct StandaloneTags {
 };
 // Where the tags sit: after the storage and, for FP8, the scale boxes and slots.
 template <Epilogue kEpi, int kStages, Operands kOp>
-constexpr size_t standalone_tags_offset() {
+__host__ __device__ constexpr size_t standalone_tags_offset() {
   static_assert(kFp8ScaleBoxBytes % 128 == 0 && sizeof(SharedStorage<kEpi, kStages>) % 128 == 0);
   return sizeof(SharedStorage<kEpi, kStages>) +
          (kOp == Operands::kFP8 ? kStages * kFp8ScaleBoxBytes + kFp8WeightScaleBytes<kStages> : 0);
