@@ -22,7 +22,7 @@ constexpr int kStages = 3;
 cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t stream) {
   const ExpertSegments& seg = a.segments;
   if (!seg.valid() || a.n <= 0 || a.n % fp8::kBlock != 0 || a.k <= 0 || a.k % fp8::kBlock != 0 ||
-      a.k / fp8::kBlock > gemm::kFp8MaxKBlocks)
+      a.k / fp8::kBlock > fp8::kMaxKBlocks)
     return cudaErrorInvalidValue;
   if (seg.empty()) return cudaSuccess;
   if (!seg.seg_offset || !a.a || !a.a_scales || !a.w || !a.w_scales || !a.out)

@@ -18,7 +18,7 @@ namespace epflow::kernels {
 
 struct Fp8GroupedGemmArgs {
   ExpertSegments segments;           // expert_rows unused: whole tiles are computed
-  int64_t n = 0, k = 0;              // multiples of 128; k at most 128 * gemm::kFp8MaxKBlocks
+  int64_t n = 0, k = 0;              // multiples of 128; k at most 128 * fp8::kMaxKBlocks
   const uint8_t* a = nullptr;        // [segments.max_rows, k] e4m3
   const float* a_scales = nullptr;   // [segments.max_rows, a_scale_stride], 16-byte aligned
   int64_t a_scale_stride = 0;        // floats per row: a multiple of 4 (rows TMA loads are

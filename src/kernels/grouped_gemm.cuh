@@ -106,12 +106,11 @@ inline constexpr int kFp8WeightScaleSlots = kStages + 1;
 template <int kStages>
 inline constexpr uint32_t kFp8WeightScaleBytes =
     kFp8WeightScaleSlots<kStages> * 2 * kFp8WeightScaleRowBytes;
-inline constexpr int32_t kFp8MaxKBlocks = fp8::kMaxKBlocks;
 __host__ __device__ constexpr int32_t fp8_weight_scale_box(int32_t k_blocks) {
   return (k_blocks + 6) / 4 * 4;  // covers k_blocks floats from any of the first 4 positions
 }
-static_assert(fp8_weight_scale_box(kFp8MaxKBlocks) <= 256 &&
-              fp8_weight_scale_box(kFp8MaxKBlocks) * 4 <= kFp8WeightScaleRowBytes);
+static_assert(fp8_weight_scale_box(fp8::kMaxKBlocks) <= 256 &&
+              fp8_weight_scale_box(fp8::kMaxKBlocks) * 4 <= kFp8WeightScaleRowBytes);
 
 // The producer's side of both kinds of scales (Operands::kFP8): rows, the rows' scale map and
 // rows_smem its per-stage boxes; weights0 / weights1, 1-D maps over the scales of the halves'

@@ -73,8 +73,8 @@ cudaError_t launch_forward_megakernel(const MegakernelArgs& a, int32_t sm_count,
     // FP8 K blocks are 128 wide; the forward keeps no g | u for a backward in FP8.
     megakernel::Maps m;
     if (a.hidden % fp8::kBlock != 0 || a.intermediate % fp8::kBlock != 0 ||
-        a.hidden / fp8::kBlock > gemm::kFp8MaxKBlocks ||
-        a.intermediate / fp8::kBlock > gemm::kFp8MaxKBlocks || a.gate_up_out ||
+        a.hidden / fp8::kBlock > fp8::kMaxKBlocks ||
+        a.intermediate / fp8::kBlock > fp8::kMaxKBlocks || a.gate_up_out ||
         !a.w_gate_scales || !a.w_up_scales || !a.w_down_scales ||
         !megakernel::encode_fp8_forward_maps(a, &m))
       return cudaErrorInvalidValue;

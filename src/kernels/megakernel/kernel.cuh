@@ -90,7 +90,7 @@ inline bool valid_args(const MegakernelArgs& a, int32_t sm_count) {
 
 // FP8 packed rows [n_rows, packed_row_bytes(cols)] as a GEMM's row operand: the e4m3 values in
 // boxes of one 128-wide K block by 128 rows and by 16 rows (grouped_gemm.cuh's row maps), and
-// the scales after them as bytes, four K blocks' of a tile's rows per box (gemm::Fp8RowScales).
+// the scales after them as bytes, four K blocks' of a tile's rows per box (gemm::Fp8ScaleLoads).
 inline bool encode_fp8_row_maps(const void* rows, int64_t cols, int64_t n_rows, CUtensorMap* map,
                                 CUtensorMap* map_few_rows, CUtensorMap* map_scales) {
   const uint64_t dims[2] = {uint64_t(cols), uint64_t(n_rows)};
