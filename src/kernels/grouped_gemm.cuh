@@ -461,7 +461,7 @@ __device__ __forceinline__ void fp8_turn_pass(int wg) {
 // half of the tile as four m64n128k32 e4m3 wgmmas into `part` (in turns with the other
 // warpgroup), then promoted into acc (the half's registers of an m64n256 accumulator) scaled by
 // the row's and the half's block scale, both read from shared memory (Fp8Scales).
-template <Epilogue kEpi, int kStages, int kStaging>
+template <Epilogue kEpi, int kKUnroll, int kStages, int kStaging>
 __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, int wg, const Fp8Scales& sc,
@@ -481,6 +481,7 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
 #pragma unroll
   for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
   float part[kTileCols / 4];
+#pragma unroll kKUnroll
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
     const uint32_t box = row_scale0 + ps.stage * kFp8ScaleBoxBytes + (kb & 3) * 4;
@@ -515,10 +516,15 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
   }
 }
 
-// One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile).
+// One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile). kFp8KUnroll
+// (Operands::kFP8): the mainloop's K loop unrolled that far. NOTES: unrolled by 4, the standalone
+// FP8 GEMM ran 3.5-6% faster (the next block's stage wait, scale loads and descriptors scheduled
+// into the previous block's promotion); the megakernels keep 1: their consumers hold the task's
+// sink state too, and unrolled they spilled (FP8 forward 16 / 24 -> 96 / 176 bytes) and ran
+// slower (docs/benchmarks.md).
 template <Epilogue kEpi, int kStages, int kStaging, class Sink,
           WeightMajor kMajor = WeightMajor::kK, RowsMajor kRows = RowsMajor::kK,
-          Operands kOp = Operands::kBF16>
+          Operands kOp = Operands::kBF16, int kFp8KUnroll = 1>
 __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, int wg, Sink& sink,
@@ -550,7 +556,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
   float acc[kTileCols / 2];
   if constexpr (kOp == Operands::kFP8) {
     static_assert(kMajor == WeightMajor::kK && kRows == RowsMajor::kK, "FP8: the forward's GEMMs");
-    fp8_mainloop<kEpi>(s, ps, c, k_blocks, wg, fp8_scales, acc);
+    fp8_mainloop<kEpi, kFp8KUnroll>(s, ps, c, k_blocks, wg, fp8_scales, acc);
   } else {
     constexpr bool kMMajor = kRows == RowsMajor::kM;
     if constexpr (kMMajor) {
@@ -729,7 +735,9 @@ __host__ __device__ constexpr size_t standalone_tags_offset() {
 }
 
 // Standalone persistent driver: every CTA walks tiles blockIdx.x, + gridDim.x, ...
-template <Epilogue kEpi, int kStages, WeightMajor kMajor, Operands kOp = Operands::kBF16>
+// kFp8KUnroll: how far the FP8 mainloop's K loop is unrolled (consume_tile).
+template <Epilogue kEpi, int kStages, WeightMajor kMajor, Operands kOp = Operands::kBF16,
+          int kFp8KUnroll = 1>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_a_rows,
@@ -794,7 +802,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const TileCoord c{v.m_tile, v.n_tile, v.expert, v.rows, v.a_row};
       ptx::mbarrier_arrive(&tags->read[ps.stage]);
       consume_tile<kEpi, kStages, kStagingBytes<kEpi>, DirectStoreSink<kEpi>, kMajor,
-                   RowsMajor::kK, kOp>(s, ps, c, k_blocks, wg - 1, sink, fp8);
+                   RowsMajor::kK, kOp, kFp8KUnroll>(s, ps, c, k_blocks, wg - 1, sink, fp8);
     }
     if (threadIdx.x % 128 == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }
