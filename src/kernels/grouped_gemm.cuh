@@ -519,9 +519,9 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile). kFp8KUnroll
 // (Operands::kFP8): the mainloop's K loop unrolled that far. NOTES: unrolled by 4, the standalone
 // FP8 GEMM ran 3.5-6% faster (the next block's stage wait, scale loads and descriptors scheduled
-// into the previous block's promotion); the megakernels keep 1: their consumers hold the task's
-// sink state too, and unrolled they spilled (FP8 forward 16 / 24 -> 96 / 176 bytes) and ran
-// slower (docs/benchmarks.md).
+// into the previous block's promotion); the megakernels keep 1: unrolled by 4 the FP8 layer ran
+// slower (docs/benchmarks.md), though none of its spills (16 / 24 -> 96 / 176 bytes) lands
+// inside the K loops; its larger code is the suspect.
 template <Epilogue kEpi, int kStages, int kStaging, class Sink,
           WeightMajor kMajor = WeightMajor::kK, RowsMajor kRows = RowsMajor::kK,
           Operands kOp = Operands::kBF16, int kFp8KUnroll = 1>
