@@ -18,7 +18,7 @@ using gemm::WeightMajor;
 // of 227.
 constexpr int kStages = 3;
 // The K loop unrolled by 4 (gemm::consume_tile): the one way this GEMM's code differs from the
-// FP8 megakernel's mainloop, which keeps 1 for its registers.
+// FP8 megakernel's mainloop, which keeps 1 (consume_tile's NOTES say why).
 constexpr int kKUnroll = 4;
 
 }  // namespace
