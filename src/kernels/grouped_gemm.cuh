@@ -412,7 +412,8 @@ __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const 
 // kStore only) take the values from registers: prepare(c, wg, tid) before the mainloop (where
 // the rows go: its loads land while the MMAs run), begin(wg, tid) once the MMAs are done, then
 // write(j, half, v0, v1) for columns 8j + 2q, 8j + 2q + 1 of row warp*16 + g + 8*half of the
-// warpgroup's 64 (lane = 4g + q), then end(wg, tid) if the sink has one. A sink with
+// warpgroup's 64 (lane = 4g + q) or, if the sink has it, write_blocks(j, ...) for even j with
+// blocks j and j + 1 as bf16 pairs (ptx::stmatrix_x4's order), then end(wg, tid) if it has one. A sink with
 // kWritePasses = P gets begin, the writes of blocks j of one P-th of the columns and end, P times
 // in column order (a staging buffer smaller than the tile). skip(): every thread, in place of all
 // of these when the warpgroup's rows are all padding (after it consumed the tile's stages).
@@ -610,25 +611,42 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       sink.begin(wg, tid);
+      if constexpr (requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); }) {
+        static_assert(kPassBlocks % 2 == 0);
 #pragma unroll
-      for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
-        sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
-        sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+        for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; j += 2) {
+          const float* r = acc + 4 * j;
+          sink.write_blocks(j, bf16_pair(r[0], r[1]), bf16_pair(r[2], r[3]),
+                            bf16_pair(r[4], r[5]), bf16_pair(r[6], r[7]));
+        }
+      } else {
+#pragma unroll
+        for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
+          sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
+          sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+        }
       }
       if constexpr (requires { sink.end(wg, tid); }) sink.end(wg, tid);
     }
   } else {
     // Epilogue. NOTES: thread (warp w, lane g*4+q) holds rows w*16+g (+8) and, per n8 block j,
     // columns 8j+2q+{0,1}: as bf16x2 they go to 16-byte chunk j%8 of a 128-byte staging row,
-    // swizzled by the row (chunk ^ row%8), so a warp's 32 stores hit 32 different banks.
+    // swizzled by the row (chunk ^ row%8). The bf16 outputs go two n8 blocks at a time by
+    // stmatrix (ptx::stmatrix_x4: a quarter of the store instructions): lane 8i + r addresses
+    // row r of matrix i = (block j + i/2, rows g or g + 8 by i%2), whose 8 rows land in 8
+    // different chunks, so every phase is conflict-free.
     uint8_t* staging = s.out[wg];
     sink.acquire(wg, tid);
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-    auto put = [&](int j, int half, float v0, float v1) {
-      const int row = warp * 16 + g + 8 * half;
-      const int box = j / 8, chunk = (j % 8) ^ (row % 8);
-      *reinterpret_cast<__nv_bfloat162*>(staging + box * 64 * 128 + row * 128 + chunk * 16 +
-                                         4 * q) = __floats2bfloat162_rn(v0, v1);
+    const int mat = lane / 8, mat_row = lane % 8;
+    const uint32_t mat_addr =
+        ptx::smem_addr(staging) + (warp * 16 + mat_row + 8 * (mat % 2)) * 128;
+    const int mat_chunk = (mat / 2) ^ mat_row;  // j even: chunk (j + mat/2) ^ row = j ^ this
+    // Blocks j (even) and j + 1, rows g and g + 8 of each, as four bf16 pairs.
+    auto put_blocks = [&](int j, uint32_t j_top, uint32_t j_bottom, uint32_t next_top,
+                          uint32_t next_bottom) {
+      ptx::stmatrix_x4(mat_addr + (j / 8) * 64 * 128 + ((j % 8) ^ mat_chunk) * 16, j_top,
+                       j_bottom, next_top, next_bottom);
     };
     if constexpr (kEpi == Epilogue::kSwiGLU && kOp == Operands::kFP8) {
       // h = silu(g) * u in place of g; a row's 128 columns of h are one 1 x 128 block, spread
@@ -672,17 +690,19 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
       constexpr int kUp = kTileCols / 2 / 8 * 4;  // register offset of the up half
       auto swiglu = [](float gate, float up) { return gate * sigmoid(gate) * up; };
 #pragma unroll
-      for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
+      for (int j = 0; j < kOutCols<kEpi> / 8; j += 2) {
         const float* r = acc + 4 * j;
-        put(j, 0, swiglu(r[0], r[kUp + 0]), swiglu(r[1], r[kUp + 1]));
-        put(j, 1, swiglu(r[2], r[kUp + 2]), swiglu(r[3], r[kUp + 3]));
+        put_blocks(j, bf16_pair(swiglu(r[0], r[kUp + 0]), swiglu(r[1], r[kUp + 1])),
+                   bf16_pair(swiglu(r[2], r[kUp + 2]), swiglu(r[3], r[kUp + 3])),
+                   bf16_pair(swiglu(r[4], r[kUp + 4]), swiglu(r[5], r[kUp + 5])),
+                   bf16_pair(swiglu(r[6], r[kUp + 6]), swiglu(r[7], r[kUp + 7])));
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < kOutCols<kEpi> / 8; ++j) {
+      for (int j = 0; j < kOutCols<kEpi> / 8; j += 2) {
         const float* r = acc + 4 * j;
-        put(j, 0, r[0], r[1]);
-        put(j, 1, r[2], r[3]);
+        put_blocks(j, bf16_pair(r[0], r[1]), bf16_pair(r[2], r[3]), bf16_pair(r[4], r[5]),
+                   bf16_pair(r[6], r[7]));
       }
     }
     ptx::fence_shared_to_async_proxy();

@@ -31,19 +31,22 @@ struct PushCombineSink {
   uint32_t* counter = nullptr;  // signalled here only for a warpgroup whose rows are all padding
   int64_t task = 0;
   gemm::TileCoord tile{};
-  uint32_t row_addr[2] = {0, 0};  // shared address of the thread's two rows at its column pair
+  // The shared address of the 16-byte row this lane gives stmatrix: row r = lane % 8 of matrix
+  // i = lane / 8, i.e. of block j + i / 2, row g or g + 8 by i % 2 (kPushRowBytes is 16 bytes
+  // past a multiple of 128, so a matrix's 8 rows hit 8 different bank groups).
+  uint32_t matrix_row_addr = 0;
   __device__ __forceinline__ void prepare(const gemm::TileCoord& c, int w, int t) {
     tile = c;
-    const int warp = t / 32, g = t % 32 / 4, q = t % 4;
-    const uint32_t base = ptx::smem_addr(staging->s->gemm.out[w]);
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      row_addr[half] = base + (warp * 16 + g + 8 * half) * kPushRowBytes + 4 * q;
+    const int warp = t / 32, lane = t % 32;
+    matrix_row_addr = ptx::smem_addr(staging->s->gemm.out[w]) +
+                      (warp * 16 + lane % 8 + 8 * (lane / 8 % 2)) * kPushRowBytes +
+                      16 * (lane / 16);
   }
   __device__ __forceinline__ void begin(int w, int) { staging->acquire(w); }
-  // Columns 8j + 2q, +1 of the thread's row `half`.
-  __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
-    ptx::st_shared_u32(row_addr[half] + 16 * j, gemm::bf16_pair(v0, v1));
+  // Blocks j (even) and j + 1 of the thread's rows, as bf16 pairs (stmatrix's four matrices).
+  __device__ __forceinline__ void write_blocks(int j, uint32_t j_top, uint32_t j_bottom,
+                                               uint32_t next_top, uint32_t next_bottom) {
+    ptx::stmatrix_x4(matrix_row_addr + 16 * j, j_top, j_bottom, next_top, next_bottom);
   }
   __device__ __forceinline__ void end(int w, int t) {
     ptx::fence_shared_to_async_proxy();

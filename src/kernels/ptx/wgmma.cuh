@@ -140,4 +140,15 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(static_cast<int32_t>(accumulate)));
 }
 
+// Four 8 x 8 bf16 matrices from the accumulator layout above into shared memory (stmatrix .x4):
+// register r_i of lane (g, q) holds matrix i's row g, columns 2q, 2q + 1 (a bf16 pair: exactly
+// what rows 16w + g (+8) of an n8 block hold), and lane 8i + r gives the shared address of
+// matrix i's row r (16 bytes). One instruction stores what four st.shared.b32 would.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 }  // namespace epflow::ptx
