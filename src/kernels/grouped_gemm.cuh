@@ -413,10 +413,11 @@ __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const 
 // the rows go: its loads land while the MMAs run), begin(wg, tid) once the MMAs are done, then
 // write(j, half, v0, v1) for columns 8j + 2q, 8j + 2q + 1 of row warp*16 + g + 8*half of the
 // warpgroup's 64 (lane = 4g + q) or, if the sink has it, write_blocks(j, ...) for even j with
-// blocks j and j + 1 as bf16 pairs (ptx::stmatrix_x4's order), then end(wg, tid) if it has one. A sink with
-// kWritePasses = P gets begin, the writes of blocks j of one P-th of the columns and end, P times
-// in column order (a staging buffer smaller than the tile). skip(): every thread, in place of all
-// of these when the warpgroup's rows are all padding (after it consumed the tile's stages).
+// blocks j and j + 1 as bf16 pairs (ptx::stmatrix_x4's order), then end(wg, tid) if it has one.
+// A sink with kWritePasses = P gets begin, the writes of blocks j of one P-th of the columns and
+// end, P times in column order (a staging buffer smaller than the tile). skip(): every thread, in
+// place of all of these when the warpgroup's rows are all padding (after it consumed the tile's
+// stages).
 template <class Sink>
 __host__ __device__ constexpr int direct_write_passes() {
   if constexpr (requires { Sink::kWritePasses; })

@@ -14,7 +14,7 @@ namespace epflow::kernels::megakernel {
 // consumers go straight on to the next tile's MMAs (the tensor cores idle while an epilogue runs
 // in registers). Down-kind tiles stage their bf16 rows for the store warps' bulk copies into the
 // rows' combine slots: 64 rows of kTileCols bf16 per warpgroup, each row padded by 16 bytes so
-// a warp's 4-byte stores (8 rows x 4 lanes) hit 32 different banks.
+// the 8 rows of an stmatrix matrix (16 bytes each) hit 8 different bank groups.
 // 3 x 48 KB of A/B tiles + 2 x 33 KB of staging + the FP8 rows' scale boxes and weights' scale
 // slots: 224 KB of 227.
 // NOTES: a fourth stage (with the down tiles pushed from registers, no room for their staging)
