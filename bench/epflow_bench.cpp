@@ -1310,11 +1310,12 @@ int run_gpu(const Options& o, int devices) {
           std::iota(order.begin(), order.end(), size_t{0});
           if (o.fp8 && order.size() > 1) std::swap(order[0], order[1]);
           for (size_t v : order) {
+            // With --dtype fp8 the bf16 layer's trace too (its dispatch against the FP8 rows').
+            const bool traced = !o.trace.empty() && (v == 0 || (o.fp8 && v == 1));
             const std::string trace =
-                v == 0 && !o.trace.empty()
-                    ? o.trace + "-" + p->name + "-" + std::to_string(T) + "-rank" +
-                          std::to_string(rank) + ".csv"
-                    : "";
+                traced ? o.trace + (v == 0 ? "" : "-bf16") + "-" + p->name + "-" +
+                             std::to_string(T) + "-rank" + std::to_string(rank) + ".csv"
+                       : "";
             const int64_t interleave_rows = v == 0 && interleaved ? yardstick_rows(rank) : 0;
             // The backward is checked on EPFlow's first bf16 system (the FP8 layer has none).
             const bool checked_backward = v == (o.fp8 ? 1 : 0) && check_backward;

@@ -59,6 +59,15 @@ def summarise(rows: list[dict]) -> None:
         end = max(r["done_us"] for r in rs)
         print(f"\n{file}: megakernel span {end - start:.0f} µs (first task taken to last task "
               f"done)")
+        dispatch = [r for r in rs if r["kind"] == "dispatch"]
+        if dispatch:
+            # The dispatch as a whole (e.g. FP8 rows against bf16 rows for the same routing):
+            # from its first part taken to its last part done, and its parts' summed run times.
+            d_start = min(r["taken_us"] for r in dispatch)
+            d_end = max(r["done_us"] for r in dispatch)
+            d_busy = sum(r["done_us"] - r["ready_us"] for r in dispatch)
+            print(f"  dispatch: {len(dispatch)} parts, first taken to last done "
+                  f"{d_end - d_start:.0f} µs, parts' run times summed {d_busy:.0f} µs")
         compute = defaultdict(list)
         for r in rs:
             # GEMM tasks only: a compute CTA's first records are the head dispatch parts it
