@@ -63,7 +63,6 @@ cudaError_t launch_fp8_grouped_gemm(const Fp8GroupedGemmArgs& a, cudaStream_t st
     return cudaErrorInvalidValue;
   gemm::GemmParams p = gemm::GemmParams::of(seg.seg_offset, nullptr, seg.experts, a.n, a.k);
   p.fp8.n_blocks = static_cast<int32_t>(a.n / fp8::kBlock);
-  p.fp8.k_blocks = static_cast<int32_t>(k_blocks);
   const int64_t max_tiles = seg.max_rows / kTileRows * ((a.n + kTileCols - 1) / kTileCols);
   const int grid = static_cast<int>(max_tiles < sm_count ? max_tiles : sm_count);
   auto* kernel =

@@ -77,7 +77,6 @@ struct Fp8Scales {
   const uint8_t* a_smem = nullptr;
   const uint8_t* b_smem = nullptr;
   int32_t n_blocks = 0;
-  int32_t k_blocks = 0;
   bool power_of_two = false;
 };
 
@@ -518,6 +517,18 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
   }
 }
 
+// Blocks j (even) and j + 1 of plain accumulators as four bf16 pairs (rows g, g + 8 of block j,
+// then of j + 1: ptx::stmatrix_x4's order), for blocks [from, to): put(j, pairs...).
+template <class Put>
+__device__ __forceinline__ void put_block_pairs(const float* acc, int from, int to, Put&& put) {
+#pragma unroll
+  for (int j = from; j < to; j += 2) {
+    const float* r = acc + 4 * j;
+    put(j, bf16_pair(r[0], r[1]), bf16_pair(r[2], r[3]), bf16_pair(r[4], r[5]),
+        bf16_pair(r[6], r[7]));
+  }
+}
+
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile). kFp8KUnroll
 // (Operands::kFP8): the mainloop's K loop unrolled that far. NOTES: unrolled by 4, the standalone
 // FP8 GEMM ran 3.5-6% faster (the next block's stage wait, scale loads and descriptors scheduled
@@ -614,12 +625,10 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
       sink.begin(wg, tid);
       if constexpr (requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); }) {
         static_assert(kPassBlocks % 2 == 0);
-#pragma unroll
-        for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; j += 2) {
-          const float* r = acc + 4 * j;
-          sink.write_blocks(j, bf16_pair(r[0], r[1]), bf16_pair(r[2], r[3]),
-                            bf16_pair(r[4], r[5]), bf16_pair(r[6], r[7]));
-        }
+        put_block_pairs(acc, pass * kPassBlocks, (pass + 1) * kPassBlocks,
+                        [&](int j, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
+                          sink.write_blocks(j, p0, p1, p2, p3);
+                        });
       } else {
 #pragma unroll
         for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
@@ -699,12 +708,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
                    bf16_pair(swiglu(r[6], r[kUp + 6]), swiglu(r[7], r[kUp + 7])));
       }
     } else {
-#pragma unroll
-      for (int j = 0; j < kOutCols<kEpi> / 8; j += 2) {
-        const float* r = acc + 4 * j;
-        put_blocks(j, bf16_pair(r[0], r[1]), bf16_pair(r[2], r[3]), bf16_pair(r[4], r[5]),
-                   bf16_pair(r[6], r[7]));
-      }
+      put_block_pairs(acc, 0, kOutCols<kEpi> / 8, put_blocks);
     }
     ptx::fence_shared_to_async_proxy();
     ptx::named_barrier_sync(1 + wg, 128);

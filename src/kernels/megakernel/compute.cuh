@@ -35,12 +35,11 @@ struct Maps {
 // The FP8 forward's block scales (grouped_gemm.cuh's Fp8Scales), all in shared memory: the rows'
 // (loaded with each stage from the ring's packed rows, Maps::rows*_scales) and the weights' (with
 // each tile's first stage, Maps::w*_scales).
-__device__ __forceinline__ gemm::Fp8Scales fp8_scales(MegaSmem& smem, int32_t n, int32_t k) {
+__device__ __forceinline__ gemm::Fp8Scales fp8_scales(MegaSmem& smem, int32_t n) {
   gemm::Fp8Scales s;
   s.a_smem = smem.fp8_row_scales[0];
   s.b_smem = smem.fp8_weight_scales;
   s.n_blocks = n / fp8::kBlock;
-  s.k_blocks = k / fp8::kBlock;
   return s;
 }
 __device__ __forceinline__ gemm::Fp8ScaleLoads fp8_scale_loads(MegaSmem& smem,
@@ -180,9 +179,9 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     RingSink ring{&staging, &a};
     PushCombineSink push{&staging};
     DhSink dh{&a};
-    gemm::Fp8Scales gate_up_scales = fp8_scales(smem, a.intermediate, a.hidden);
+    gemm::Fp8Scales gate_up_scales = fp8_scales(smem, a.intermediate);
     gate_up_scales.power_of_two = a.fp8_pow2_scales;
-    const gemm::Fp8Scales down_scales = fp8_scales(smem, a.hidden, a.intermediate);
+    const gemm::Fp8Scales down_scales = fp8_scales(smem, a.hidden);
     if constexpr (kOp == gemm::Operands::kFP8) gemm::fp8_turns_begin(wg - 1);
     // The trace's consumer times: thread 0 of the first consumer warpgroup, tasks in the
     // producer's order (its record n is the producer's).
