@@ -5,6 +5,10 @@ over its runs, every run's value, and B / A. Optionally writes the table's data 
 
     bench/ab_compare.py --a before 'out/ab_before_*.json' --b after 'out/ab_after_*.json' \
         [--json summary.json]
+
+With --gemm LABEL GLOB (repeated; epflow-fp8-gemm-bench files), compares any number of builds of
+the standalone FP8 GEMM instead: per shape and rows per expert, each build's median TFLOP/s over
+its files and each build over the last one.
 """
 import argparse
 import glob
@@ -27,12 +31,45 @@ def times(paths):
     return out
 
 
+def gemm_table(builds):
+    """The markdown table of the --gemm builds (label, glob): median TFLOP/s per point."""
+    per = {}  # (shape, rows) -> {label: [TFLOP/s per file]}
+    for label, pattern in builds:
+        paths = sorted(glob.glob(pattern))
+        if not paths:
+            raise SystemExit(f"ab_compare.py: no files for {pattern}")
+        for path in paths:
+            with open(path) as f:
+                for r in json.load(f)["runs"]:
+                    key = (r["shape"], r["rows_per_expert"])
+                    per.setdefault(key, {}).setdefault(label, []).append(r["tflops"])
+    labels = [label for label, _ in builds]
+    last = labels[-1]
+    lines = ["| shape | rows/expert | " + " | ".join(labels) + " | " +
+             " | ".join(f"{x} / {last}" for x in labels[:-1]) + " |",
+             "|---|---:|" + "---:|" * (2 * len(labels) - 1)]
+    for (shape, rows), v in per.items():
+        med = {x: statistics.median(v[x]) for x in labels if x in v}
+        if len(med) != len(labels):
+            continue  # a point not every build ran
+        lines.append(f"| {shape} | {rows} | " + " | ".join(f"{med[x]:.0f}" for x in labels) +
+                     " | " + " | ".join(f"{med[x] / med[last]:.3f}" for x in labels[:-1]) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--a", nargs=2, metavar=("LABEL", "GLOB"), required=True)
-    ap.add_argument("--b", nargs=2, metavar=("LABEL", "GLOB"), required=True)
+    ap.add_argument("--a", nargs=2, metavar=("LABEL", "GLOB"))
+    ap.add_argument("--b", nargs=2, metavar=("LABEL", "GLOB"))
+    ap.add_argument("--gemm", nargs=2, action="append", metavar=("LABEL", "GLOB"),
+                    help="a standalone FP8 GEMM build (repeat; compared against the last)")
     ap.add_argument("--json", help="write the rows as JSON here")
     args = ap.parse_args()
+    if args.gemm:
+        print(gemm_table(args.gemm))
+        return
+    if not args.a or not args.b:
+        ap.error("--a and --b, or --gemm")
     (la, ga), (lb, gb) = args.a, args.b
     fa, fb = glob.glob(ga), glob.glob(gb)
     if not fa or not fb:
