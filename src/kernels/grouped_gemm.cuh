@@ -85,7 +85,8 @@ struct Fp8Scales {
 // every row of a tile, 2 KB; out-of-range blocks read as zeros) into per-stage boxes
 // (Fp8Scales::a_smem). NOTES: the rows' scales as per-thread global loads (a load per row and K
 // block) cost ~8% of the FP8 GEMM; through shared memory they come with the stage, as DeepGEMM's
-// do.
+// do. Each stage loads its group's whole box again: one box per four K blocks, or loaded ahead
+// in quarters, ran the GEMM slower (docs/benchmarks.md).
 inline constexpr uint32_t kFp8ScaleBoxBytes = kTileRows * 16;
 
 // The weights' scales of a tile: a row of k_blocks fp32 per 128-column half (kSwiGLU: the gate
