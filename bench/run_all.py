@@ -20,6 +20,10 @@ FP8 grouped GEMM alone (epflow-fp8-gemm-bench, beside epflow-bench) and bench/fp
 (cuBLAS dense and torch grouped GEMMs in bf16 and FP8, the FP8 weight stream), each into its
 own JSON next to --out (OUT-fp8-gemm.json, OUT-fp8-yardsticks.json), and prints their tables.
 
+Where nvidia-smi is present, GPU 0's SM clock and power are sampled throughout and summarised per
+step (bench/clock_windows.py) at the end and into OUT-clocks.txt: on an H200 the FP8 GEMMs run at
+the software power cap, and the clock they got is part of reading their figures.
+
 Usage: bench/run_all.py --out results.json [--bench build/epflow-bench] [--dump PATH]
          [--png results.png] [--presets a,b] [--tokens 128,512] [--ep 1,2] [--iters N]
          [--warmup N] [--repeats N] [--seed S] [--routing uniform,zipf]
@@ -31,6 +35,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +45,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR / "baselines"))
+import clock_windows  # noqa: E402
 import inputs  # noqa: E402  (the routing kinds' names; torch, which the baseline needs anyway)
 import plot  # noqa: E402
 import report  # noqa: E402
@@ -135,6 +141,30 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    clock_dir = Path(tempfile.mkdtemp(prefix="epflow-run-all-clocks-"))
+    clocks = clock_windows.Sampler(clock_dir / "smi.csv", clock_dir / "marks.txt")
+    try:
+        return run_all(args, clocks)
+    finally:
+        lines = clocks.close()
+        if lines:
+            text = "GPU 0 per step (bench/clock_windows.py):\n" + "\n".join(lines) + "\n"
+            print("\n" + text)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{args.out.with_suffix('')}-clocks.txt").write_text(text)
+        shutil.rmtree(clock_dir, ignore_errors=True)
+
+
+def timed_step(clocks: clock_windows.Sampler, label: str, cmd: list[str], env: dict[str, str],
+               json_path: Path) -> dict:
+    """run_json, marked as one window of the clock samples."""
+    clocks.mark(label, "begin")
+    doc = run_json(cmd, env, json_path)
+    clocks.mark(label, "end")
+    return doc
+
+
+def run_all(args: argparse.Namespace, clocks: clock_windows.Sampler) -> int:
     bench, dump = args.bench.resolve(), args.dump.resolve()
     fp8_gemm_bench = bench.parent / "epflow-fp8-gemm-bench"
     for exe in (bench, dump) + ((fp8_gemm_bench,) if args.dtype == "fp8" else ()):
@@ -168,20 +198,23 @@ def main() -> int:
         for routing in args.routing:
             for ep in eps:
                 part = Path(tmp) / f"epflow-ep{ep}-{routing}.json"
-                docs.append(run_json([str(bench), "--ep", str(ep), "--preset", args.presets,
-                                      *common, "--routing", routing,
-                                      "--yardstick", args.yardstick,
-                                      *(["--backward"] if args.backward else []), *fp8,
-                                      "--json", str(part)], env, part))
+                docs.append(timed_step(
+                    clocks, f"epflow-bench ep{ep} {routing}",
+                    [str(bench), "--ep", str(ep), "--preset", args.presets, *common,
+                     "--routing", routing, "--yardstick", args.yardstick,
+                     *(["--backward"] if args.backward else []), *fp8, "--json", str(part)],
+                    env, part))
                 part = Path(tmp) / f"torch-ep{ep}-{routing}.json"
-                docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets", args.presets,
-                                      *common, "--routing", routing, "--json", str(part)],
-                                     env, part))
+                docs.append(timed_step(
+                    clocks, f"nccl-pytorch ep{ep} {routing}",
+                    [*torchrun, str(ep), torch_moe, "--presets", args.presets, *common,
+                     "--routing", routing, "--json", str(part)], env, part))
                 if fp8:
                     part = Path(tmp) / f"torch-fp8-ep{ep}-{routing}.json"
-                    docs.append(run_json([*torchrun, str(ep), torch_moe, "--presets",
-                                          args.presets, *common, "--routing", routing, *fp8,
-                                          "--json", str(part)], env, part))
+                    docs.append(timed_step(
+                        clocks, f"nccl-pytorch-fp8 ep{ep} {routing}",
+                        [*torchrun, str(ep), torch_moe, "--presets", args.presets, *common,
+                         "--routing", routing, *fp8, "--json", str(part)], env, part))
 
     # One layer document whose runs carry their EP and routing (report.py and plot.py read it as
     # is).
@@ -200,12 +233,14 @@ def main() -> int:
         stem = args.out.with_suffix("")
         gemm_path = Path(f"{stem}-fp8-gemm.json")
         yard_path = Path(f"{stem}-fp8-yardsticks.json")
-        gemm_doc = run_json([str(fp8_gemm_bench), "--warmup", str(args.warmup), "--iters",
-                             str(args.iters), "--repeats", str(args.repeats), "--json",
-                             str(gemm_path)], env, gemm_path)
-        yard_doc = run_json([sys.executable, str(BENCH_DIR / "fp8_yardsticks.py"), "--warmup",
-                             str(args.warmup), "--iters", str(args.iters), "--repeats",
-                             str(args.repeats), "--json", str(yard_path)], env, yard_path)
+        gemm_doc = timed_step(clocks, "fp8-gemm",
+                              [str(fp8_gemm_bench), "--warmup", str(args.warmup), "--iters",
+                               str(args.iters), "--repeats", str(args.repeats), "--json",
+                               str(gemm_path)], env, gemm_path)
+        yard_doc = timed_step(clocks, "fp8-yardsticks",
+                              [sys.executable, str(BENCH_DIR / "fp8_yardsticks.py"), "--warmup",
+                               str(args.warmup), "--iters", str(args.iters), "--repeats",
+                               str(args.repeats), "--json", str(yard_path)], env, yard_path)
         print(f"\nFP8 grouped GEMM: {gemm_path}; FP8 yardsticks: {yard_path}\n")
         report.render_fp8_gemm(gemm_doc, yard_doc)
         print()
