@@ -20,6 +20,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,12 +75,15 @@ def summarize(smi_csv: Path, marks: Path) -> list[str]:
 
 
 class Sampler:
-    """nvidia-smi sampling GPU 0 into smi_csv while it is open, with mark(label) around each
-    step; a machine without nvidia-smi (or one that fails) gets no samples and no error: the
-    clocks are context for the figures, never a reason to lose them."""
+    """nvidia-smi sampling GPU 0 into a temporary folder of its own while it is open, with
+    mark(label, "begin" | "end") around each step; close() stops it, removes the folder and
+    returns the summary lines. A machine without nvidia-smi (or one that fails) gets no samples
+    and no error: the clocks are context for the figures, never a reason to lose them."""
 
-    def __init__(self, smi_csv: Path, marks: Path, period_ms: int = 100):
-        self.smi_csv, self.marks, self.proc = smi_csv, marks, None
+    def __init__(self, period_ms: int = 100):
+        self.proc = None
+        self.folder = Path(tempfile.mkdtemp(prefix="epflow-clocks-"))
+        self.smi_csv, self.marks = self.folder / "smi.csv", self.folder / "marks.txt"
         exe = shutil.which("nvidia-smi")
         if exe is None:
             return
@@ -87,7 +91,8 @@ class Sampler:
             self.marks.write_text("")
             self.proc = subprocess.Popen(
                 [exe, "-i", "0", f"--query-gpu={QUERY}", "--format=csv,noheader",
-                 "-lms", str(period_ms)], stdout=smi_csv.open("w"), stderr=subprocess.DEVNULL)
+                 "-lms", str(period_ms)], stdout=self.smi_csv.open("w"),
+                stderr=subprocess.DEVNULL)
         except OSError:
             self.proc = None
 
@@ -97,18 +102,19 @@ class Sampler:
                 f.write(f"{label} {edge} {time.time():.3f}\n")
 
     def close(self) -> list[str]:
-        """Stops sampling; the summary lines (none without samples)."""
-        if self.proc is None:
-            return []
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        try:
-            return summarize(self.smi_csv, self.marks)
-        except (OSError, ValueError):
-            return []
+        lines = []
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            try:
+                lines = summarize(self.smi_csv, self.marks)
+            except (OSError, ValueError):
+                pass
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return lines
 
 
 def main() -> None:

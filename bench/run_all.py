@@ -35,7 +35,6 @@ import datetime
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -141,8 +140,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    clock_dir = Path(tempfile.mkdtemp(prefix="epflow-run-all-clocks-"))
-    clocks = clock_windows.Sampler(clock_dir / "smi.csv", clock_dir / "marks.txt")
+    clocks = clock_windows.Sampler()
     try:
         return run_all(args, clocks)
     finally:
@@ -152,7 +150,6 @@ def main() -> int:
             print("\n" + text)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             Path(f"{args.out.with_suffix('')}-clocks.txt").write_text(text)
-        shutil.rmtree(clock_dir, ignore_errors=True)
 
 
 def timed_step(clocks: clock_windows.Sampler, label: str, cmd: list[str], env: dict[str, str],
