@@ -782,7 +782,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   fp8.b_smem = weight_scale_slots;
   auto* tags = reinterpret_cast<StandaloneTags<kStages>*>(
       reinterpret_cast<uint8_t*>(&s) + standalone_tags_offset<kEpi, kStages, kOp>());
-  const int wg = threadIdx.x / 128;
+  // NOTES: as threadIdx.x / 128, wg is not provably warp-uniform to the compiler: it kept the
+  // stage and descriptor arithmetic derived from it in per-thread registers and moved each
+  // wgmma's descriptors to uniform registers (R2UR) inside the K loops. Taken from lane 0 by a
+  // shuffle it is uniform by construction, and that arithmetic runs on the uniform datapath.
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (threadIdx.x == 0) {
     check_dynamic_smem_alignment();
     for (int i = 0; i < kStages; ++i) ptx::mbarrier_init(&tags->read[i], kTagReaders);
