@@ -71,8 +71,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
   using gemm::Epilogue;
   using mega::Task;
   using mega::TaskKind;
-  // Warp-uniform by construction (gemm::grouped_gemm_kernel says why).
-  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  const int wg = gemm::warpgroup_index();
   const int64_t tasks = mega::num_compute_tasks(s);
   // K of the two GEMMs: H, then I (forward: h) or 2I (backward: [dg | du], W_gate's K first).
   constexpr gemm::Operands kOp = P::kOperands;
