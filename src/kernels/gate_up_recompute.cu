@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
                              const __grid_constant__ CUtensorMap map_up,
                              const __grid_constant__ CUtensorMap map_out, const RecomputeParams p) {
   auto& s = gemm::dynamic_smem<Smem>();
-  const int wg = threadIdx.x / 128;
+  const int wg = gemm::warpgroup_index();
   if (threadIdx.x == 0) {
     gemm::check_dynamic_smem_alignment();
     gemm::init_stage_barriers(s);

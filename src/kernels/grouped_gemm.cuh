@@ -163,6 +163,15 @@ struct alignas(1024) GemmSmem {
 template <Epilogue kEpi, int kStages>
 using SharedStorage = GemmSmem<kStages, kStagingBytes<kEpi>>;
 
+// The calling thread's warpgroup (threadIdx.x / 128). NOTES: computed from threadIdx.x it is not
+// provably warp-uniform to the compiler, which then kept the stage and descriptor arithmetic
+// derived from it in per-thread registers and moved each wgmma's descriptors into uniform
+// registers (R2UR) inside the K loops; taken from lane 0 by a shuffle it is uniform by
+// construction, and that arithmetic runs on the uniform datapath.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
 // Position in the ring of stages, with the phase parity of its barriers (and, for a
 // megakernel's producer, bit i: the parity of stage i's next StageTags::read wait).
 // scale_slot: the FP8 weight-scale slot of the current tile (kFp8WeightScaleSlots), advanced
@@ -782,7 +791,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   fp8.b_smem = weight_scale_slots;
   auto* tags = reinterpret_cast<StandaloneTags<kStages>*>(
       reinterpret_cast<uint8_t*>(&s) + standalone_tags_offset<kEpi, kStages, kOp>());
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();
   if (threadIdx.x == 0) {
     check_dynamic_smem_alignment();
     for (int i = 0; i < kStages; ++i) ptx::mbarrier_init(&tags->read[i], kTagReaders);

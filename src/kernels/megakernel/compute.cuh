@@ -71,7 +71,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
   using gemm::Epilogue;
   using mega::Task;
   using mega::TaskKind;
-  const int wg = threadIdx.x / 128;
+  const int wg = gemm::warpgroup_index();
   const int64_t tasks = mega::num_compute_tasks(s);
   // K of the two GEMMs: H, then I (forward: h) or 2I (backward: [dg | du], W_gate's K first).
   constexpr gemm::Operands kOp = P::kOperands;
