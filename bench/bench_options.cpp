@@ -191,6 +191,8 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
       o->iters = whole_number32(value(), 1, kInt32Max);
     } else if (flag == "--warmup") {
       o->warmup = whole_number32(value(), 0, kInt32Max);
+    } else if (flag == "--settle-ms") {
+      o->settle_ms = whole_number32(value(), 0, 600000);
     } else if (flag == "--repeats") {
       o->repeats = whole_number32(value(), 1, 9);
     } else if (flag == "--seed") {
@@ -293,9 +295,10 @@ std::string short_usage_text() {
 
 std::string usage_text() {
   return "usage: epflow-bench [--preset NAME[,NAME...]] [--tokens T[,T...]] [--ep N] [--iters N]\n"
-         "                    [--warmup N] [--repeats N] [--seed S] [--routing uniform|zipf]\n"
-         "                    [--json PATH] [--baselines LIST] [--check] [--comm-sms N[,N...]]\n"
-         "                    [--minibatch-rows R[,R...]] [--ring-rows R[,R...]] [--trace PREFIX]\n"
+         "                    [--warmup N] [--settle-ms N] [--repeats N] [--seed S]\n"
+         "                    [--routing uniform|zipf] [--json PATH] [--baselines LIST] [--check]\n"
+         "                    [--comm-sms N[,N...]] [--minibatch-rows R[,R...]]\n"
+         "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
          "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
          "                    [--grad-dtype bf16|fp32] [--accumulate-grads] [--saved-gate-up-rows N]\n"
          "                    [--backward-unfused] [--dtype bf16|fp8]\n"
@@ -307,6 +310,9 @@ std::string usage_text() {
          "  --iters N    timed calls, at least 1 (default 20)\n"
          "  --warmup N   untimed calls before the timed ones, for every system and yardstick\n"
          "               (default 100: the sustained power state at large sizes)\n"
+         "  --settle-ms N  before those, untimed calls for N ms of GPU time, for every system\n"
+         "               and yardstick at each point: the clock settles under the power cap\n"
+         "               (default 2000; 0 to 600000)\n"
          "  --repeats N  run each point's whole sequence (systems, yardsticks) N times, 1 to 9,\n"
          "               and report the medians over the repeats (default 1)\n"
          "  --seed S     seed of the inputs and routing (default 1)\n"

@@ -17,11 +17,13 @@ struct Options {
   std::vector<std::string> presets;  // empty: deepseek-v3 on GPUs, tiny on the CPU reference
   std::vector<int64_t> tokens;       // per rank; empty: 4096 on GPUs, 64 on the CPU reference
   int32_t ep = 0;                    // ranks; 0: every GPU present (2 simulated on the CPU)
-  // NOTES: 100 untimed calls before the timed ones, for every system and yardstick: at large
-  // sizes that outlasts the first part of a busy phase in which the power limiter still lets a
-  // GPU run above its sustained clock; with a few, a short yardstick ran in that burst while the
-  // layer did not (docs/benchmarks.md, "How we measure"). Each is timed in the state a training
-  // loop keeps it in.
+  // NOTES: every system and yardstick first runs untimed for settle_ms of GPU time, then
+  // `warmup` more calls, then its timed ones: each is timed in the sustained power state a
+  // training loop keeps it in. With a few warm-up calls a short yardstick ran in the burst above
+  // the sustained clock while the layer did not; with 100 calls and no settling, the system timed
+  // second at a large point ran slower than the same system timed first (settle.h;
+  // docs/benchmarks.md, "How we measure").
+  int32_t settle_ms = 2000;
   int32_t warmup = 100;
   int32_t iters = 20;
   // Each point's whole sequence (EPFlow and its variants, baselines, yardsticks) runs this many

@@ -39,6 +39,7 @@
 #include "common/status_util.h"
 #include "presets.h"
 #include "rooflines.h"
+#include "settle.h"
 #include "epflow/reference.h"
 #include "unfused/unfused_executors.h"
 
@@ -571,6 +572,34 @@ double dispatch_row_bytes(const LayerConfig& c, DType dtype) {
   return dtype == DType::kFP8Blockwise ? double(fp8::packed_row_bytes(c.hidden)) : 2.0 * c.hidden;
 }
 
+// Untimed calls of one system for o.settle_ms of GPU time (settle.h). The calls are collective,
+// so every rank makes the count of the slowest rank's call time (a max over the communicator).
+Status settle(const std::function<Status()>& call, const Options& o, ncclComm_t comm,
+              cudaStream_t stream, const char* system) {
+  if (o.settle_ms <= 0) return Status::ok_status();
+  Status s = Status::ok_status();
+  const double ms = bench::one_call_ms([&] { return (s = call()).ok(); }, stream);
+  EPFLOW_RETURN_IF_ERROR(s);
+  if (ms < 0)
+    return error_status(StatusCode::kCudaError, system, ": timing a settling call failed");
+  float* slowest = nullptr;
+  EPFLOW_RETURN_IF_ERROR(cuda_status(cudaMalloc(&slowest, sizeof(float)), "cudaMalloc"));
+  float host = static_cast<float>(ms);
+  s = cuda_status(cudaMemcpy(slowest, &host, sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+  if (s.ok() && ncclAllReduce(slowest, slowest, 1, ncclFloat, ncclMax, comm, stream) != ncclSuccess)
+    s = error_status(StatusCode::kNcclError, system, ": ncclAllReduce of the settling time failed");
+  if (s.ok())
+    s = cuda_status(
+        cudaMemcpyAsync(&host, slowest, sizeof(float), cudaMemcpyDeviceToHost, stream),
+        "cudaMemcpyAsync");
+  if (s.ok()) s = cuda_status(cudaStreamSynchronize(stream), "settling time");
+  cudaFree(slowest);
+  EPFLOW_RETURN_IF_ERROR(s);
+  for (int64_t i = bench::settle_calls(o.settle_ms, host); i > 0; --i)
+    EPFLOW_RETURN_IF_ERROR(call());
+  return Status::ok_status();
+}
+
 // EPFlow on this rank: timing of the layer and its stages, and the rows of y of `checked`.
 // trace_path: where to write the megakernel's per-task trace of the last call (empty: none).
 // interleave_rows > 0: after each layer call, the dense cuBLAS yardstick over that many rows runs
@@ -617,6 +646,8 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
         bench::DenseFfn::create(interleave_rows, c.hidden, c.intermediate, stream.get(), &dense));
     EPFLOW_RETURN_IF_ERROR(dense_ev.create(n));
   }
+  EPFLOW_RETURN_IF_ERROR(settle([&] { return layer->forward(data.args(), stream.get(), nullptr); },
+                                o, comm, stream.get(), v.system));
   for (int i = 0; i < n; ++i) {
     hooks.set_marks(ev.marks(i));
     EPFLOW_RETURN_IF_ERROR(layer->forward(data.args(), stream.get(), nullptr, &hooks));
@@ -668,6 +699,8 @@ Status bench_nccl_cublas_rank(const LayerConfig& c, const std::vector<bench::Rou
   EPFLOW_RETURN_IF_ERROR(bench::NcclCublasMoe::create(c, comm, stream.get(), &moe));
   // Untimed: NCCL connects the peers, cuBLAS picks its kernels, the receive buffers grow.
   EPFLOW_RETURN_IF_ERROR(moe->forward(data.args(), nullptr));
+  EPFLOW_RETURN_IF_ERROR(settle([&] { return moe->forward(data.args(), nullptr); }, o, comm,
+                                stream.get(), kNcclCublas));
   const int n = o.warmup + o.iters;
   ForwardEvents ev;
   EPFLOW_RETURN_IF_ERROR(ev.create(n));
@@ -1216,7 +1249,8 @@ int run_gpu(const Options& o, int devices) {
   std::ostringstream json;
   json << "{\n  \"kind\": \"layer\",\n  \"device\": \"" << device << "\",\n  \"ep\": " << ep
        << ",\n  \"commit\": \"" << (commit ? commit : "unknown") << "\",\n  \"seed\": " << o.seed
-       << ",\n  \"warmup\": " << o.warmup << ",\n  \"iters\": " << o.iters << ",\n  \"runs\": [";
+       << ",\n  \"warmup\": " << o.warmup << ",\n  \"settle_ms\": " << o.settle_ms
+       << ",\n  \"iters\": " << o.iters << ",\n  \"runs\": [";
   bool first = true, all_ok = true;
   for (const auto& name : presets) {
     const bench::Preset* p = bench::find_preset(name);  // a known name: parse_options checked
@@ -1269,7 +1303,7 @@ int run_gpu(const Options& o, int devices) {
       auto yardstick_rows = [&](int g) { return std::max<int64_t>(results[g].rows_received, 128); };
       auto measure_yardsticks = [&](int g) {
         if (bench::measure_rooflines(yardstick_rows(g), c.hidden, c.intermediate, o.warmup,
-                                     o.iters, &roof_of[g])
+                                     o.settle_ms, o.iters, &roof_of[g])
                 .ok())
           ++roof_ok[g];
       };
@@ -1302,14 +1336,7 @@ int run_gpu(const Options& o, int devices) {
           LayerConfig rc = c;
           rc.ep_rank = rank;
           RankResult r;
-          // NOTES: with --dtype fp8 the bf16 layer (variant 1) runs before the FP8 one: a bf16
-          // layer created after an FP8 layer in the same process ran up to 45% slower at 2048
-          // tokens (DeepSeek-V3, H200; not understood yet, docs/benchmarks.md), while an FP8
-          // layer after a bf16 one runs as fast as alone.
-          std::vector<size_t> order(variants.size());
-          std::iota(order.begin(), order.end(), size_t{0});
-          if (o.fp8 && order.size() > 1) std::swap(order[0], order[1]);
-          for (size_t v : order) {
+          for (size_t v = 0; v < variants.size(); ++v) {
             // With --dtype fp8 the bf16 layer's trace too (its dispatch against the FP8 rows').
             const bool traced = !o.trace.empty() && (v == 0 || (o.fp8 && v == 1));
             const std::string trace =
@@ -1333,9 +1360,8 @@ int run_gpu(const Options& o, int devices) {
             keep_times(r, &base_results[rank]);
           }
           // NOTES: at once, every GPU busy as during the layer (one GPU after the other gave the
-          // same rates in a same-call comparison: docs/benchmarks.md, "How we measure"). The
-          // power limiter lets the first part of a busy phase run above the sustained clock; the
-          // default warm-up (Options::warmup) outlasts it at large sizes.
+          // same rates in a same-call comparison: docs/benchmarks.md, "How we measure"). Like
+          // every system, they settle first (settle.h).
           if (o.yardstick != Options::Yardstick::kOneByOne && !o.check) measure_yardsticks(rank);
           return Status::ok_status();
         });

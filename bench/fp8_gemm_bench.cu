@@ -2,7 +2,8 @@
 // the mainloop of the FP8 megakernel) at DeepSeek-V3's expert shapes: 32 experts, gate|up
 // 7168 -> 4096 (gate and up stacked) and down 2048 -> 7168, equal rows per expert. Operands are
 // random e4m3 bytes (no NaN) with random positive scales (1 x 128 on the rows, 128 x 128 on the
-// weights). Per point: --warmup untimed calls (the sustained power state), then --repeats rounds
+// weights). Per point: --warmup untimed calls (optionally --settle-ms of GPU time before them,
+// settle.h; DeepGEMM's figures it is compared with were measured without), then --repeats rounds
 // of --iters calls timed one by one with CUDA events; a round's figure is its median, the
 // point's the median over rounds. Afterwards a few rows of the output are checked against a CPU
 // computation from the same bytes and scales (a fast kernel that is wrong must not be reported).
@@ -23,6 +24,7 @@
 #include "bench_check.h"
 #include "common/fp8_blocks.h"
 #include "kernels/fp8_grouped_gemm.cuh"
+#include "settle.h"
 
 namespace {
 
@@ -34,6 +36,7 @@ constexpr double kRelTol = 1e-2;  // bf16 output rounding is ~2e-3 of a row's no
 struct Options {
   std::vector<int64_t> rows = {128, 512, 1024, 2048};
   int warmup = 100, iters = 20, repeats = 3;
+  int64_t settle_ms = 0;
   uint64_t seed = 1;
   std::string json;
 };
@@ -41,9 +44,10 @@ struct Options {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "epflow-fp8-gemm-bench: %s\n"
-               "usage: epflow-fp8-gemm-bench [--rows R[,R...]] [--warmup N] [--iters N]\n"
-               "                             [--repeats N] [--seed S] [--json PATH]\n"
-               "  --rows  rows per expert (default 128,512,1024,2048)\n",
+               "usage: epflow-fp8-gemm-bench [--rows R[,R...]] [--warmup N] [--settle-ms N]\n"
+               "                             [--iters N] [--repeats N] [--seed S] [--json PATH]\n"
+               "  --rows  rows per expert (default 128,512,1024,2048)\n"
+               "  --settle-ms  untimed calls for N ms of GPU time before the warm-up (default 0)\n",
                why);
   std::exit(2);
 }
@@ -71,6 +75,8 @@ Options parse(int argc, char** argv) {
       }
     } else if (a == "--warmup") {
       o.warmup = static_cast<int>(positive(a, v));
+    } else if (a == "--settle-ms") {
+      o.settle_ms = v == "0" ? 0 : positive(a, v);
     } else if (a == "--iters") {
       o.iters = static_cast<int>(positive(a, v));
     } else if (a == "--repeats") {
@@ -212,7 +218,15 @@ Result run_point(const Shape& s, int64_t per, const Options& o) {
   g.w = w.p;
   g.w_scales = ws.p;
   g.out = out.p;
-  for (int i = 0; i < o.warmup; ++i) check(kernels::launch_fp8_grouped_gemm(g, nullptr), "launch");
+  auto launch = [&] {
+    check(kernels::launch_fp8_grouped_gemm(g, nullptr), "launch");
+    return true;
+  };
+  const double call_ms = bench::one_call_ms(launch, nullptr);
+  if (call_ms < 0) check(cudaGetLastError(), "timing a settling call");
+  for (int64_t i = bench::settle_calls(static_cast<double>(o.settle_ms), call_ms); i > 0; --i)
+    launch();
+  for (int i = 0; i < o.warmup; ++i) launch();
   cudaEvent_t e0, e1;
   check(cudaEventCreate(&e0), "event");
   check(cudaEventCreate(&e1), "event");
@@ -244,7 +258,8 @@ std::string json_of(const std::vector<Result>& results, const Options& o, const 
   js.precision(6);
   js << "{\n  \"kind\": \"fp8-gemm\",\n  \"device\": \"" << device << "\",\n  \"commit\": \""
      << commit << "\",\n  \"experts\": " << kExperts << ",\n  \"warmup\": " << o.warmup
-     << ",\n  \"iters\": " << o.iters << ",\n  \"repeats\": " << o.repeats
+     << ",\n  \"settle_ms\": " << o.settle_ms << ",\n  \"iters\": " << o.iters
+     << ",\n  \"repeats\": " << o.repeats
      << ",\n  \"seed\": " << o.seed << ",\n  \"check_tolerance\": " << kRelTol
      << ",\n  \"runs\": [";
   for (size_t i = 0; i < results.size(); ++i) {
@@ -284,9 +299,10 @@ int main(int argc, char** argv) {
   }
   const char* commit_env = std::getenv("EPFLOW_COMMIT");
   const char* commit = commit_env ? commit_env : "unknown";
-  std::printf("FP8 grouped GEMM (1 x 128 / 128 x 128 block scales), %d experts, %s; %d warm-up, "
-              "%d repeats x %d calls\n",
-              kExperts, prop.name, o.warmup, o.repeats, o.iters);
+  std::printf("FP8 grouped GEMM (1 x 128 / 128 x 128 block scales), %d experts, %s; %lld ms and "
+              "%d calls of warm-up, %d repeats x %d calls\n",
+              kExperts, prop.name, static_cast<long long>(o.settle_ms), o.warmup, o.repeats,
+              o.iters);
   std::printf("%-22s %12s %10s %10s  %-24s %s\n", "shape", "rows/expert", "us", "TFLOP/s",
               "repeats us", "check (rel. err)");
   std::vector<Result> results;

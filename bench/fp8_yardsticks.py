@@ -17,19 +17,20 @@ weight stream an FP8 MoE layer is made of, measured in one run, so that an FP8 l
 3. the FP8 weight stream: a device-to-device Tensor.copy_ of the e4m3 weights of 32 DeepSeek-V3
    experts (3 x 7168 x 2048 bytes each, ~1.41 GB): the time to read them once, the floor under a
    layer that streams its experts' weights, and its GB/s counting read + write.
-Timing: CUDA events around every call; per measurement --warmup untimed calls (100), then --iters
+Timing: CUDA events around every call; per measurement --warmup untimed calls (100; optionally
+--settle-ms of GPU time before them, bench/settle.h; default 0, as DeepGEMM's figures), then --iters
 timed ones (50), their median; the whole set runs --repeats times (3) in turn, each measurement
 reporting the median of its repeats' medians and every repeat's. Random inputs (torch.randn,
 scaled, cast or quantized with amax / 448 scales), never zeros; FP8 accumulation is the accurate
 one unless --fast-accum.
 
 Usage: python3 bench/fp8_yardsticks.py [--json out.json] [--dense-shape M,N,K] [--iters 50]
-         [--warmup 100] [--repeats 3] [--fast-accum]"""
+         [--warmup 100] [--settle-ms 0] [--repeats 3] [--fast-accum]"""
 from __future__ import annotations
 
 # NVLink multicast (NVLS) can take the shared host down (BRIEF §2): forced off, not merely
 # defaulted, before torch loads NCCL or NVSHMEM.
-from torch_bench_env import git_commit  # noqa: E402  (first: before torch loads)
+from torch_bench_env import git_commit, settle  # noqa: E402  (first: before torch loads)
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
@@ -171,7 +172,8 @@ def probe(fn: Callable[[], object]) -> str | None:
         return f"{type(e).__name__}: {str(e).strip()[:1500]}"
 
 
-def median_us(fn: Callable[[], object], warmup: int, iters: int) -> float:
+def median_us(fn: Callable[[], object], warmup: int, iters: int, settle_ms: float) -> float:
+    settle(fn, settle_ms)
     for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -191,6 +193,8 @@ def main() -> int:
     ap.add_argument("--dense-shape", default="8192,8192,8192", help="M,N,K of the dense GEMMs")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--settle-ms", type=float, default=0.0,
+                    help="untimed calls for this many ms of GPU time before each warm-up")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fast-accum", action="store_true",
                     help="use_fast_accum=True in every FP8 GEMM (default: accurate accumulation)")
@@ -214,7 +218,7 @@ def main() -> int:
         c["repeat_us"] = []
     for _ in range(args.repeats):  # the whole set, in turn, --repeats times
         for c in timed:
-            c["repeat_us"].append(median_us(c["fn"], args.warmup, args.iters))
+            c["repeat_us"].append(median_us(c["fn"], args.warmup, args.iters, args.settle_ms))
     print(f"{'measurement':18} {'shape':34} {'dtype, scaling':34} {'median us':>10} "
           f"{'rate':>14}  repeats us")
     for c in cases:
@@ -240,7 +244,7 @@ def main() -> int:
         doc = {"kind": "fp8-yardsticks", "device": torch.cuda.get_device_name(dev),
                "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
                "commit": git_commit(), "torch": torch.__version__, "cuda": torch.version.cuda,
-               "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats, "runs": cases}
+               "warmup": args.warmup, "settle_ms": args.settle_ms, "iters": args.iters, "repeats": args.repeats, "runs": cases}
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"results: {args.json}")
     return 0

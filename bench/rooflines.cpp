@@ -8,6 +8,7 @@
 #include "bench_inputs.h"
 #include "cublas_rows.h"
 #include "common/status_util.h"
+#include "settle.h"
 
 namespace epflow::bench {
 
@@ -18,12 +19,18 @@ Status cuda(cudaError_t e, const char* what) {
                           : error_status(StatusCode::kCudaError, what, ": ", cudaGetErrorString(e));
 }
 
-// Median milliseconds of `iters` runs of fn on `stream`, after 3 untimed ones.
+// Median milliseconds of `iters` runs of fn on `stream`, after settle_ms of untimed runs
+// (settle.h) and `warmup` more.
 template <typename Fn>
-Status median_ms(cudaStream_t stream, int warmup, int iters, Fn fn, double* out) {
+Status median_ms(cudaStream_t stream, int warmup, int settle_ms, int iters, Fn fn, double* out) {
   std::vector<cudaEvent_t> ev(2 * iters);
   for (auto& e : ev) EPFLOW_RETURN_IF_ERROR(cuda(cudaEventCreate(&e), "cudaEventCreate"));
   Status s = Status::ok_status();
+  if (settle_ms > 0) {
+    const double ms = one_call_ms([&] { return (s = fn()).ok(); }, stream);
+    if (s.ok() && ms < 0) s = cuda(cudaGetLastError(), "timing a settling run");
+    for (int64_t i = settle_calls(settle_ms, ms); i > 0 && s.ok(); --i) s = fn();
+  }
   for (int i = 0; i < warmup && s.ok(); ++i) s = fn();
   for (int i = 0; i < iters && s.ok(); ++i) {
     s = cuda(cudaEventRecord(ev[2 * i], stream), "cudaEventRecord");
@@ -104,8 +111,8 @@ double DenseFfn::tflops(double ms) const {
   return 6.0 * rows_ * hidden_ * intermediate_ / (ms * 1e-3) * 1e-12;
 }
 
-Status measure_rooflines(int64_t rows, int64_t H, int64_t I, int warmup, int iters,
-                         Rooflines* out) {
+Status measure_rooflines(int64_t rows, int64_t H, int64_t I, int warmup, int settle_ms,
+                         int iters, Rooflines* out) {
   constexpr size_t kCopyBytes = size_t{2} << 30;
   cudaStream_t stream = nullptr;
   EPFLOW_RETURN_IF_ERROR(cuda(cudaStreamCreate(&stream), "cudaStreamCreate"));
@@ -116,9 +123,9 @@ Status measure_rooflines(int64_t rows, int64_t H, int64_t I, int warmup, int ite
   if (s.ok()) s = cuda(cudaMalloc(&dst, kCopyBytes), "cudaMalloc (copy destination)");
   if (s.ok()) s = cuda(cudaMemsetAsync(src, 1, kCopyBytes, stream), "cudaMemsetAsync");
   double ffn_ms = 0, copy_ms = 0;
-  if (s.ok()) s = median_ms(stream, warmup, iters, [&] { return ffn->run(); }, &ffn_ms);
+  if (s.ok()) s = median_ms(stream, warmup, settle_ms, iters, [&] { return ffn->run(); }, &ffn_ms);
   if (s.ok())
-    s = median_ms(stream, warmup, iters, [&] {
+    s = median_ms(stream, warmup, settle_ms, iters, [&] {
       return cuda(cudaMemcpyAsync(dst, src, kCopyBytes, cudaMemcpyDeviceToDevice, stream),
                   "cudaMemcpyAsync (HBM copy)");
     }, &copy_ms);

@@ -46,9 +46,10 @@ class DenseFfn {
   void* buf_ = nullptr;
 };
 
-// Median over `iters` timed runs after `warmup` runs (the layer's own counts: with enough of
-// them both run in the sustained power state) on the current device: the DenseFfn over `rows` rows, and the copy.
+// Median over `iters` timed runs after settle_ms of untimed runs and `warmup` more (the layer's
+// own settings: both run in the sustained power state) on the current device: the DenseFfn over
+// `rows` rows, and the copy.
 Status measure_rooflines(int64_t rows, int64_t hidden, int64_t intermediate, int warmup,
-                         int iters, Rooflines* out);
+                         int settle_ms, int iters, Rooflines* out);
 
 }  // namespace epflow::bench

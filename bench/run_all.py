@@ -26,7 +26,7 @@ the software power cap, and the clock they got is part of reading their figures.
 
 Usage: bench/run_all.py --out results.json [--bench build/epflow-bench] [--dump PATH]
          [--png results.png] [--presets a,b] [--tokens 128,512] [--ep 1,2] [--iters N]
-         [--warmup N] [--repeats N] [--seed S] [--routing uniform,zipf]
+         [--warmup N] [--settle-ms N] [--repeats N] [--seed S] [--routing uniform,zipf]
          [--yardstick at-once|one-by-one|interleaved] [--backward] [--dtype bf16|fp8]"""
 from __future__ import annotations
 
@@ -112,6 +112,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=100,
                     help="untimed calls first, every system and yardstick (epflow-bench's)")
+    ap.add_argument("--settle-ms", type=int, default=2000,
+                    help="before each warm-up, untimed calls for this many ms of GPU time, every "
+                    "layer system and its yardsticks (bench/settle.h; not the FP8 GEMM step)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="every system's --repeats: medians over N runs of each point's sequence "
                     "(epflow-bench: EPFlow, its unfused chain, NCCL+cuBLAS, yardsticks; "
@@ -177,7 +180,8 @@ def run_all(args: argparse.Namespace, clocks: clock_windows.Sampler) -> int:
     env = {**os.environ, **NVLS_OFF, "EPFLOW_COMMIT": commit}
     # The same points, warm-up, timed calls and repeats for every system.
     common = ["--tokens", args.tokens, "--iters", str(args.iters), "--warmup", str(args.warmup),
-              "--repeats", str(args.repeats), "--seed", str(args.seed)]
+              "--settle-ms", str(args.settle_ms), "--repeats", str(args.repeats), "--seed",
+              str(args.seed)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     torch_moe = str(BENCH_DIR / "baselines" / "torch_moe.py")
 
@@ -226,7 +230,9 @@ def run_all(args: argparse.Namespace, clocks: clock_windows.Sampler) -> int:
     args.out.write_text(json.dumps(merged, indent=2) + "\n")
     print(f"\nmerged results: {args.out}\n")
     if fp8:
-        # The GEMM alone and the yardsticks it is normalised by, in the same session.
+        # The GEMM alone and the yardsticks it is normalised by, in the same session; both
+        # without settling (--warmup only): DeepGEMM's figures they are set against were
+        # measured that way.
         stem = args.out.with_suffix("")
         gemm_path = Path(f"{stem}-fp8-gemm.json")
         yard_path = Path(f"{stem}-fp8-yardsticks.json")

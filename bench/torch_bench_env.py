@@ -37,6 +37,29 @@ def init_torchrun():
     return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
 
 
+def settle(fn, settle_ms: float) -> None:
+    """Untimed calls of fn for settle_ms of GPU time (bench/settle.h says why): one call timed
+    after an untimed one; under torch.distributed every rank makes the slowest rank's count (the
+    calls are collective)."""
+    if settle_ms <= 0:
+        return
+    import math
+
+    import torch
+    import torch.distributed as dist
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([start.elapsed_time(end)], device="cuda")
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    for _ in range(min(int(math.ceil(settle_ms / max(float(ms.item()), 1e-3))), 1_000_000)):
+        fn()
+
+
 def median_step_ms(step, params, warmup: int, iters: int) -> float:
     """Median GPU time (CUDA events) of step() over `iters` calls after `warmup` untimed ones,
     the parameters' .grad set to None before each (as an optimizer's zero_grad)."""

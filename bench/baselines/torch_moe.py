@@ -90,7 +90,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.nn.functional import all_to_all_single as all_to_all_autograd  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import inputs  # noqa: E402
+from torch_bench_env import settle  # noqa: E402
 
 SYSTEM = "nccl-pytorch"
 SYSTEM_FP8 = "nccl-pytorch-fp8"  # --dtype fp8: its own rows in a merged report
@@ -458,8 +460,10 @@ def run_check_fp8(seed: int, rank: int, world: int, device: torch.device, routin
 
 # --- timing ----------------------------------------------------------------------------------
 
-def median_ms(fn: Callable[[], None], warmup: int, iters: int) -> float:
-    """Median over `iters` runs (after `warmup`) of fn's GPU time, between CUDA events."""
+def median_ms(fn: Callable[[], None], warmup: int, iters: int, settle_ms: float) -> float:
+    """Median over `iters` runs (after settle_ms of untimed runs and `warmup` more) of fn's GPU
+    time, between CUDA events."""
+    settle(fn, settle_ms)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(warmup + iters)]
     for start, end in events:
@@ -522,7 +526,7 @@ def bench_config(p: inputs.Preset, tokens: int, w1: torch.Tensor, w2: torch.Tens
 
     fwd, bwd, step = [], [], []
     for _ in range(args.repeats):
-        fwd.append(median_ms(forward, args.warmup, args.iters))
+        fwd.append(median_ms(forward, args.warmup, args.iters, args.settle_ms))
         bwd.append(median_backward_ms(forward_fresh, lambda y: y.backward(dy), args.warmup,
                                       args.iters))
         step.append(median_step_ms(forward_fresh, lambda y: y.backward(dy), args.warmup,
@@ -543,7 +547,8 @@ def bench_config_fp8(p: inputs.Preset, tokens: int, weights: tuple[torch.Tensor,
     def forward() -> None:
         moe_layer_fp8(x, idx, tw, *weights, world)
 
-    fwd = [median_ms(forward, args.warmup, args.iters) for _ in range(args.repeats)]
+    fwd = [median_ms(forward, args.warmup, args.iters, args.settle_ms)
+           for _ in range(args.repeats)]
     return fwd, int((idx >= 0).sum())
 
 
@@ -619,6 +624,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tokens", default="4096", help="comma-separated tokens per rank")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=100)  # as epflow-bench: sustained clocks
+    ap.add_argument("--settle-ms", type=float, default=2000.0,
+                    help="untimed calls for this many ms of GPU time before each forward "
+                    "measurement's warm-up (as epflow-bench)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="as epflow-bench's --repeats: time each point's sequence (forward, then "
                          "backward, each warm-up + --iters calls) N times and report per rank the "

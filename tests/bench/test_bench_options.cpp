@@ -37,6 +37,7 @@ TEST(BenchOptions, NoFlagsGiveTheDefaults) {
   EXPECT_TRUE(o.tokens.empty());
   EXPECT_EQ(o.ep, 0);
   EXPECT_EQ(o.warmup, 100);
+  EXPECT_EQ(o.settle_ms, 2000);
   EXPECT_EQ(o.iters, 20);
   EXPECT_EQ(o.repeats, 1);
   EXPECT_EQ(o.seed, 1u);
@@ -51,7 +52,8 @@ TEST(BenchOptions, FullCommandLine) {
   const std::string dir = temp_dir();
   const ParseResult r = parse(
       {"--preset", "tiny,deepseek-v3", "--tokens", "64,128", "--tokens", "256", "--ep", "2",
-       "--iters", "5", "--warmup", "0", "--repeats", "3", "--seed", "18446744073709551615",
+       "--iters", "5", "--warmup", "0", "--settle-ms", "0", "--repeats", "3",
+       "--seed", "18446744073709551615",
        "--routing", "zipf", "--json", dir + "/results.json", "--baselines", "epflow-unfused", "--check", "--comm-sms",
        "0,8", "--minibatch-rows", "1024", "--ring-rows", "0,16384", "--trace", dir + "/trace",
        "--yardstick", "interleaved", "--backward", "--grad-dtype", "fp32", "--accumulate-grads",
@@ -64,6 +66,7 @@ TEST(BenchOptions, FullCommandLine) {
   EXPECT_EQ(o.ep, 2);
   EXPECT_EQ(o.iters, 5);
   EXPECT_EQ(o.warmup, 0);
+  EXPECT_EQ(o.settle_ms, 0);
   EXPECT_EQ(o.repeats, 3);
   EXPECT_EQ(o.seed, UINT64_MAX);
   EXPECT_EQ(o.routing, RoutingKind::kZipf);
@@ -142,6 +145,7 @@ INSTANTIATE_TEST_SUITE_P(
                 "--tokens: \"99999999999999999999\" is out of range"},
         BadCase{{"--iters", "0"}, "--iters: 0 must be at least 1"},
         BadCase{{"--warmup", "-1"}, "--warmup: -1 must be at least 0"},
+        BadCase{{"--settle-ms", "600001"}, "--settle-ms: 600001 must be at most 600000"},
         BadCase{{"--repeats", "10"}, "--repeats: 10 must be at most 9"},
         BadCase{{"--repeats", "0"}, "--repeats: 0 must be at least 1"},
         BadCase{{"--seed", "-1"}, "--seed: -1 must be at least 0"},
