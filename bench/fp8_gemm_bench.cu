@@ -23,6 +23,7 @@
 
 #include "bench_check.h"
 #include "common/fp8_blocks.h"
+#include "fp8_gemm_common.cuh"
 #include "kernels/fp8_grouped_gemm.cuh"
 #include "settle.h"
 
@@ -92,63 +93,13 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  std::fprintf(stderr, "epflow-fp8-gemm-bench: %s: %s\n", what, cudaGetErrorString(e));
-  std::exit(1);
-}
-
-__host__ __device__ uint64_t mix(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Random e4m3 bytes without NaN (0x7F / 0xFF): any sign, exponent and mantissa but the NaN one.
-__global__ void fill_e4m3(uint8_t* p, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const uint8_t b = static_cast<uint8_t>(mix((i + 1) * 0x9E3779B97F4A7C15ull + seed));
-    p[i] = (b & 0x7F) == 0x7F ? b ^ 0x01 : b;
-  }
-}
-
-// Random scales 2^u, u uniform in [-4, 4): blocks of very different magnitudes.
-__global__ void fill_scales(float* p, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const double u = static_cast<double>(mix((i + 1) * 0x9E3779B97F4A7C15ull + seed) >> 11) /
-                     9007199254740992.0;
-    p[i] = exp2f(static_cast<float>(8.0 * u - 4.0));
-  }
-}
-
-template <class T>
-struct DeviceBuffer {
-  T* p = nullptr;
-  explicit DeviceBuffer(int64_t n) { check(cudaMalloc(&p, sizeof(T) * n), "cudaMalloc"); }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-template <class T>
-std::vector<T> to_host(const T* p, int64_t n) {
-  std::vector<T> v(n);
-  check(cudaMemcpy(v.data(), p, sizeof(T) * n, cudaMemcpyDeviceToHost), "copy to host");
-  return v;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-struct Shape {
-  const char* name;
-  int64_t n, k;
-};
+using bench::check;
+using bench::DeviceBuffer;
+using bench::fill_e4m3;
+using bench::fill_scales;
+using bench::median;
+using bench::Shape;
+using bench::to_host;
 
 struct Result {
   Shape shape;

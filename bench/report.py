@@ -10,7 +10,8 @@ EPFlow's FP8 layer (epflow-bench --dtype fp8: system epflow-fp8) get a table of 
 the bf16 systems and the FP8 baselines (nccl-pytorch-fp8); bench/fp8_yardsticks.py files ("kind":
 "fp8-yardsticks") theirs; --summary adds their FP8 column (EPFlow FP8 against NCCL+PyTorch FP8;
 the bf16 runs of a file with FP8 runs stay out of the summary, the other files give those).
-bench/moelayer_step.py, bench/layer_memory.py and bench/megatron_layer.py files get their own.
+bench/moelayer_step.py, bench/layer_memory.py, bench/megatron_layer.py and
+experiments/deepgemm_same_run files ("kind": "fp8-gemm-vs-deepgemm") get their own.
 Usage: bench/report.py [--summary] RESULT.json [RESULT.json ...]"""
 import json
 import sys
@@ -147,6 +148,28 @@ def render_fp8_gemm(doc, yardsticks=None):
     if mine_dense is not None:
         print(f"\nBlock-wise dense FP8 yardstick of this session: {mine_dense:.0f} TFLOP/s "
               f"(DeepGEMM's run: {DEEPGEMM_BLOCKWISE_YARDSTICK:.0f}).")
+
+
+def render_fp8_gemm_vs_deepgemm(doc):
+    """experiments/deepgemm_same_run: EPFlow's FP8 grouped GEMM and DeepGEMM's own SM90 kernel on
+    the same inputs in one process, alternating; each figure the median of both passes' rounds."""
+    import statistics
+    experts = doc.get("experts", 32)
+    print("| shape | rows/expert | EPFlow µs | DeepGEMM µs | EPFlow TFLOP/s | DeepGEMM TFLOP/s "
+          "| EPFlow / DeepGEMM | rel. err EPFlow / DeepGEMM / between | settle ms | device "
+          "| commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in doc["runs"]:
+        k, n = (int(v) for v in r["shape"].split()[-3::2])  # "NAME K -> N"
+        flops = 2.0 * experts * r["rows_per_expert"] * n * k
+        mine = statistics.median(r["epflow_rounds_us"])
+        theirs = statistics.median(r["deepgemm_rounds_us"])
+        shape = r["shape"].replace("|", "\\|")
+        print(f"| {shape} | {r['rows_per_expert']} | {mine:.0f} | {theirs:.0f} "
+              f"| {flops / mine * 1e-6:.0f} | {flops / theirs * 1e-6:.0f} | {theirs / mine:.2f} "
+              f"| {r['epflow_rel_err']:.1e} / {r['deepgemm_rel_err']:.1e} / "
+              f"{r['epflow_vs_deepgemm']:.1e} | {doc['settle_ms']} | {doc['device']} "
+              f"| {doc['commit']} |")
 
 
 def render_fused(docs):
@@ -520,7 +543,8 @@ def render_megatron_step(doc):
 
 OWN_RENDERERS = {"layer-memory": render_layer_memory, "moelayer-step": render_moelayer_step,
                  "megatron-layer-step": render_megatron_step,
-                 "fp8-yardsticks": render_fp8_yardsticks, "fp8-gemm": render_fp8_gemm}
+                 "fp8-yardsticks": render_fp8_yardsticks, "fp8-gemm": render_fp8_gemm,
+                 "fp8-gemm-vs-deepgemm": render_fp8_gemm_vs_deepgemm}
 
 
 def main(paths, summary=False):
