@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bench_options.h"
+#include "settle.h"
 
 namespace epflow::bench {
 namespace {
@@ -217,3 +218,13 @@ TEST(BenchOptions, JsonPathUnderAFile) {
 
 }  // namespace
 }  // namespace epflow::bench
+
+// bench/settle.h: how many calls fill the settling time.
+TEST(Settle, CallsFillTheSettlingTime) {
+  EXPECT_EQ(epflow::bench::settle_calls(0, 1.0), 0);
+  EXPECT_EQ(epflow::bench::settle_calls(2000, 1.0), 2000);
+  EXPECT_EQ(epflow::bench::settle_calls(2000, 6.0), 334);  // rounded up: at least 2000 ms
+  EXPECT_EQ(epflow::bench::settle_calls(2000, 0.0), 1000000);  // a call too short to time: capped
+  EXPECT_EQ(epflow::bench::settle_calls(2000, -1.0), 1000000);
+}
+
