@@ -119,4 +119,23 @@ Fp8Experts quantize_experts_fp8(const LayerConfig& config, const std::vector<Ran
 void forward_token_fp8(const LayerConfig& config, const Fp8Experts& experts, const float* x_row,
                        const int32_t* topk_idx_row, const float* topk_weights_row, float* y_row);
 
+// The backward of forward_fp8, every quantizer taken as the identity (straight-through), with
+// e4m3 operands where the FP8 backward's GEMMs read them (docs/design/fp8_backward.md): dy
+// quantized 1 x 128 once per token; dhp = Q(dy) Q(W_down) (K = H; the weights' 128 x 128 blocks
+// read transposed, their scales as they are), times w; the SwiGLU backward from g | u as the
+// training forward keeps them (bf16); dx = Q([dg | du]) Q([W_gate; W_up]) (K = 2I: the gate
+// blocks, then the up blocks); d w = <dhp, Q(h)>, h recomputed from the kept g | u and quantized
+// as the forward did. Weight gradients in the operands the forward's GEMMs read, summed in
+// double: d W_down += (w Q(dy))^T Q(h), d W_gate += dg^T Q(x), d W_up += du^T Q(x). Each GEMM
+// sums 128-deep blocks exactly and adds them in order, as forward_fp8.
+Status backward_fp8(const LayerConfig& config, const std::vector<RankInput>& inputs,
+                    const std::vector<RankExperts>& experts,
+                    const std::vector<std::vector<float>>& dy, bool power_of_two_scales,
+                    std::vector<RankGrads>* grads);
+// One token's dx row [H] and d topk_weights [K] of backward_fp8 (spot checks of shapes too large
+// to run whole): the same arithmetic, so bit for bit its values.
+void backward_token_fp8(const LayerConfig& config, const Fp8Experts& experts, const float* x_row,
+                        const int32_t* topk_idx_row, const float* topk_weights_row,
+                        const float* dy_row, float* dx_row, float* d_topk_weights_row);
+
 }  // namespace epflow::reference

@@ -1,13 +1,17 @@
-// The CPU reference of the block-scaled FP8 forward (reference.h: quantize_rows_1x128,
-// quantize_blocks_128x128, forward_fp8). Quantization is src/common/fp8_blocks.h's, the code the
-// GPU kernels run: the two agree bit for bit on every e4m3 value and scale.
+// The CPU reference of the block-scaled FP8 layer (reference.h: quantize_rows_1x128,
+// quantize_blocks_128x128, forward_fp8, backward_fp8). Quantization is src/common/fp8_blocks.h's,
+// the code the GPU kernels run: the two agree bit for bit on every e4m3 value and scale.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "common/fp8_blocks.h"
 #include "common/status_util.h"
 #include "epflow/reference.h"
+#include "reference/reference_internal.h"
 
 namespace epflow::reference {
 
@@ -16,8 +20,8 @@ namespace {
 int64_t blocks_of(int64_t n) { return (n + fp8::kBlock - 1) / fp8::kBlock; }
 
 // One block's scale and values: elements v[r * ld + c] for r < rows, c < cols.
-void quantize_block(const float* v, int64_t ld, int64_t rows, int64_t cols, bool pow2,
-                    uint8_t* q, float* scale) {
+void quantize_block(const float* v, int64_t ld, int64_t rows, int64_t cols, bool pow2, uint8_t* q,
+                    float* scale) {
   float amax = 0.0f;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
@@ -55,11 +59,41 @@ void fp8_matvec(const Fp8Matrix& w, const std::vector<float>& a_values,
     for (int64_t kb = 0; kb < blocks_of(w.k); ++kb) {
       double block = 0.0;
       const int64_t end = std::min(w.k, (kb + 1) * fp8::kBlock);
-      for (int64_t j = kb * fp8::kBlock; j < end; ++j) block += double(a_values[j]) * value(w, i, j);
+      for (int64_t j = kb * fp8::kBlock; j < end; ++j)
+        block += double(a_values[j]) * value(w, i, j);
       acc += block * (double(a_scales[kb]) * scale(w, i, kb));
     }
     (*out)[i] = acc;
   }
+}
+
+// out[c] += sum over 128-deep blocks rb of w's rows of (sum_{r in rb} a[r] w[r, c]) * a_scale[rb]
+// * w_scale[rb, c / 128], block by block in order: the product with w's transpose, whose 128 x
+// 128 blocks (and so scales) are w's own. Each block's sum exact in double.
+void fp8_matvec_transposed(const Fp8Matrix& w, const std::vector<float>& a_values,
+                           const std::vector<float>& a_scales, std::vector<double>* out) {
+  for (int64_t c = 0; c < w.k; ++c) {
+    double acc = (*out)[c];
+    for (int64_t rb = 0; rb < blocks_of(w.n); ++rb) {
+      double block = 0.0;
+      const int64_t end = std::min(w.n, (rb + 1) * fp8::kBlock);
+      for (int64_t r = rb * fp8::kBlock; r < end; ++r)
+        block += double(a_values[r]) * value(w, r, c);
+      acc += block * (double(a_scales[rb]) * w.scales[rb * blocks_of(w.k) + c / fp8::kBlock]);
+    }
+    (*out)[c] = acc;
+  }
+}
+
+// v rounded to bf16 (to nearest, ties to even), as the forward keeps g | u for the backward.
+float round_bf16(float v) {
+  if (std::isnan(v)) return v;
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &b, sizeof r);
+  return r;
 }
 
 // A row [n] quantized 1 x 128, as floats (values) and scales.
@@ -70,6 +104,84 @@ void quantize_row(const float* v, int64_t n, bool pow2, std::vector<float>* valu
   quantize_rows_1x128(v, 1, n, pow2, q.data(), scales->data());
   values->resize(n);
   for (int64_t j = 0; j < n; ++j) (*values)[j] = fp8::to_float(q[j]);
+}
+
+// The dequantized row: values times their block's scale.
+std::vector<float> dequantized(const std::vector<float>& values, const std::vector<float>& scales) {
+  std::vector<float> d(values.size());
+  for (size_t j = 0; j < values.size(); ++j) d[j] = values[j] * scales[j / fp8::kBlock];
+  return d;
+}
+
+// Weight gradients of all experts by global id, summed in double.
+struct Fp8WeightGradSums {
+  std::vector<double> gate, up, down;  // [num_experts, I, H], [num_experts, I, H], [.., H, I]
+};
+
+// One token's backward (backward_fp8's arithmetic): its dx row, d topk_weights and, with `sums`,
+// its routed rows' terms of the weight gradients.
+void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, const float* x_row,
+                        const int32_t* topk_idx_row, const float* topk_weights_row,
+                        const float* dy_row, float* dx_row, float* d_topk_weights_row,
+                        Fp8WeightGradSums* sums) {
+  const int64_t H = config.hidden, I = config.intermediate;
+  const bool pow2 = experts.power_of_two_scales;
+  std::vector<float> xv, xs, dyv, dys, h(I), hv, hs, dgf(I), duf(I), dgv, dgs, duv, dus;
+  std::vector<double> g, u, dhp, dg(I), du(I), dx(H, 0.0);
+  quantize_row(x_row, H, pow2, &xv, &xs);
+  quantize_row(dy_row, H, pow2, &dyv, &dys);  // by dy's owner, once per token
+  const std::vector<float> x_q = dequantized(xv, xs), dy_q = dequantized(dyv, dys);
+  for (int64_t k = 0; k < config.top_k; ++k) {
+    const int32_t e = topk_idx_row[k];
+    d_topk_weights_row[k] = 0.0f;
+    if (e == -1) continue;
+    if (e < -1 || e >= config.num_experts)
+      throw std::out_of_range(concat("backward_token_fp8: k ", k, ": expert id ", e,
+                                     " is outside [-1, num_experts=", config.num_experts, ")"));
+    // The forward's g | u as the training forward keeps them (bf16), and h recomputed from them
+    // and quantized as the forward's down GEMM read it.
+    fp8_matvec(experts.gate[e], xv, xs, &g);
+    fp8_matvec(experts.up[e], xv, xs, &u);
+    std::vector<float> gk(I), uk(I);
+    for (int64_t i = 0; i < I; ++i) {
+      gk[i] = round_bf16(static_cast<float>(g[i]));
+      uk[i] = round_bf16(static_cast<float>(u[i]));
+      h[i] = gk[i] / (1.0f + std::exp(-gk[i])) * uk[i];
+    }
+    quantize_row(h.data(), I, pow2, &hv, &hs);
+    const std::vector<float> h_q = dequantized(hv, hs);
+    // dhp = Q(dy) Q(W_down) (K = H), w applied after; d w = <dhp, Q(h)>.
+    dhp.assign(I, 0.0);
+    fp8_matvec_transposed(experts.down[e], dyv, dys, &dhp);
+    const double w = topk_weights_row[k];
+    double d_w = 0.0;
+    for (int64_t i = 0; i < I; ++i) d_w += dhp[i] * h_q[i];
+    d_topk_weights_row[k] = static_cast<float>(d_w);
+    for (int64_t i = 0; i < I; ++i) {
+      detail::swiglu_backward(w * dhp[i], gk[i], uk[i], &dg[i], &du[i]);
+      dgf[i] = static_cast<float>(dg[i]);
+      duf[i] = static_cast<float>(du[i]);
+    }
+    // dx += Q([dg | du]) Q([W_gate; W_up]) (K = 2I: the gate blocks, then the up blocks).
+    quantize_row(dgf.data(), I, pow2, &dgv, &dgs);
+    quantize_row(duf.data(), I, pow2, &duv, &dus);
+    fp8_matvec_transposed(experts.gate[e], dgv, dgs, &dx);
+    fp8_matvec_transposed(experts.up[e], duv, dus, &dx);
+    if (sums == nullptr) continue;
+    // The weight gradients in the operands the forward's GEMMs read: (w dy)^T Q(h), with dy as
+    // pulled (e4m3), and [dg | du]^T Q(x).
+    double* d_down = sums->down.data() + e * H * I;
+    for (int64_t j = 0; j < H; ++j)
+      for (int64_t i = 0; i < I; ++i) d_down[j * I + i] += w * dy_q[j] * h_q[i];
+    double* d_gate = sums->gate.data() + e * I * H;
+    double* d_up = sums->up.data() + e * I * H;
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t j = 0; j < H; ++j) {
+        d_gate[i * H + j] += dg[i] * x_q[j];
+        d_up[i * H + j] += du[i] * x_q[j];
+      }
+  }
+  for (int64_t j = 0; j < H; ++j) dx_row[j] = static_cast<float>(dx[j]);
 }
 
 }  // namespace
@@ -149,6 +261,49 @@ Status forward_fp8(const LayerConfig& config, const std::vector<RankInput>& inpu
     for (int64_t t = 0; t < in.num_tokens; ++t)
       forward_token_fp8(config, q, in.x.data() + t * H, in.topk_idx.data() + t * K,
                         in.topk_weights.data() + t * K, (*y)[r].data() + t * H);
+  }
+  return Status::ok_status();
+}
+
+void backward_token_fp8(const LayerConfig& config, const Fp8Experts& experts, const float* x_row,
+                        const int32_t* topk_idx_row, const float* topk_weights_row,
+                        const float* dy_row, float* dx_row, float* d_topk_weights_row) {
+  token_backward_fp8(config, experts, x_row, topk_idx_row, topk_weights_row, dy_row, dx_row,
+                     d_topk_weights_row, nullptr);
+}
+
+Status backward_fp8(const LayerConfig& config, const std::vector<RankInput>& inputs,
+                    const std::vector<RankExperts>& experts,
+                    const std::vector<std::vector<float>>& dy, bool pow2,
+                    std::vector<RankGrads>* grads) {
+  if (Status s = detail::check_backward_inputs(config, inputs, experts, dy); !s.ok()) return s;
+  if (grads == nullptr) return invalid_argument("grads is null");
+  const int64_t H = config.hidden, I = config.intermediate, K = config.top_k;
+  const Fp8Experts q = quantize_experts_fp8(config, experts, pow2);
+  Fp8WeightGradSums sums;
+  sums.gate.assign(config.num_experts * I * H, 0.0);
+  sums.up.assign(config.num_experts * I * H, 0.0);
+  sums.down.assign(config.num_experts * H * I, 0.0);
+  grads->assign(config.ep_size, {});
+  for (int32_t r = 0; r < config.ep_size; ++r) {
+    const RankInput& in = inputs[r];
+    RankGrads& out = (*grads)[r];
+    out.dx.assign(in.num_tokens * H, 0.0f);
+    out.d_topk_weights.assign(in.num_tokens * K, 0.0f);
+    for (int64_t t = 0; t < in.num_tokens; ++t)
+      token_backward_fp8(config, q, in.x.data() + t * H, in.topk_idx.data() + t * K,
+                         in.topk_weights.data() + t * K, dy[r].data() + t * H,
+                         out.dx.data() + t * H, out.d_topk_weights.data() + t * K, &sums);
+  }
+  const int64_t rank_size = config.experts_per_rank() * I * H;
+  for (int32_t r = 0; r < config.ep_size; ++r) {
+    RankGrads& out = (*grads)[r];
+    const auto slice = [&](const std::vector<double>& all) {
+      return std::vector<float>(all.begin() + r * rank_size, all.begin() + (r + 1) * rank_size);
+    };
+    out.d_gate = slice(sums.gate);
+    out.d_up = slice(sums.up);
+    out.d_down = slice(sums.down);
   }
   return Status::ok_status();
 }

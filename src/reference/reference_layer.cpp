@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "common/status_util.h"
+#include "reference/reference_internal.h"
 
 namespace epflow::reference {
 namespace {
@@ -102,12 +103,7 @@ void token_forward(const LayerConfig& config, const std::vector<RankExperts>& ex
   for (int64_t j = 0; j < config.hidden; ++j) y_row[j] = static_cast<float>(ws->y[j]);
 }
 
-// The SwiGLU backward of one intermediate element: dg = dh * u * silu'(g), du = dh * silu(g).
-void swiglu_backward(double dh, double g, double u, double* dg, double* du) {
-  const double s = sigmoid(g);
-  *dg = dh * u * s * (1.0 + g * (1.0 - s));
-  *du = dh * g * s;
-}
+using detail::swiglu_backward;
 
 // Weight gradients of all experts, indexed by global expert id, summed in double.
 struct WeightGradSums {
@@ -301,9 +297,14 @@ void forward_token(const LayerConfig& config, const std::vector<RankExperts>& ex
   token_forward(config, experts, x_row, topk_idx_row, topk_weights_row, &ws, y_row);
 }
 
-namespace {
+namespace detail {
 
-// check_inputs, then dy's shape.
+void swiglu_backward(double dh, double g, double u, double* dg, double* du) {
+  const double s = sigmoid(g);
+  *dg = dh * u * s * (1.0 + g * (1.0 - s));
+  *du = dh * g * s;
+}
+
 Status check_backward_inputs(const LayerConfig& config, const std::vector<RankInput>& inputs,
                              const std::vector<RankExperts>& experts,
                              const std::vector<std::vector<float>>& dy) {
@@ -321,7 +322,9 @@ Status check_backward_inputs(const LayerConfig& config, const std::vector<RankIn
   return Status::ok_status();
 }
 
-}  // namespace
+}  // namespace detail
+
+using detail::check_backward_inputs;
 
 Status backward(const LayerConfig& config, const std::vector<RankInput>& inputs,
                 const std::vector<RankExperts>& experts, const std::vector<std::vector<float>>& dy,
