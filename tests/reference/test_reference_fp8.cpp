@@ -21,7 +21,7 @@ TEST(Fp8Blocks, E4m3RoundsToNearestEvenAndSaturates) {
   EXPECT_EQ(fp8::quantize(1.0f, 1.0f), 0x38);
   EXPECT_EQ(fp8::quantize(-2.0f, 1.0f), 0xC0);
   EXPECT_EQ(fp8::quantize(448.0f, 1.0f), 0x7E);
-  EXPECT_EQ(fp8::quantize(1e6f, 1.0f), 0x7E);    // saturated, never NaN
+  EXPECT_EQ(fp8::quantize(1e6f, 1.0f), 0x7E);  // saturated, never NaN
   EXPECT_EQ(fp8::quantize(-1e6f, 1.0f), 0xFE);
   EXPECT_EQ(fp8::quantize(1.0625f, 1.0f), 0x38);  // halfway between 1 and 1.125: to even
   EXPECT_EQ(fp8::quantize(1.1875f, 1.0f), 0x3A);  // halfway between 1.125 and 1.25: to even
@@ -120,13 +120,17 @@ TEST(Fp8Blocks, MatricesIn128x128Blocks) {
     }
 }
 
-// The quantized forward stays close to the exact one, on both scale kinds, with empty slots.
-// e4m3 keeps 3 mantissa bits: each element's rounding error is up to 1/16 (about 3.6% rms), and
-// a dot product of random-sign terms keeps that relative error (its sum grows like its error),
-// so each GEMM with both operands quantized costs about 5% and the layer's two (x and W_gate /
-// W_up, then h and W_down) about 6%: the tolerance against the exact forward is 8%.
-TEST(ReferenceFp8, ForwardCloseToTheExactForward) {
-  LayerConfig c;
+// The FP8 tests' layer: two ranks with different token counts, empty slots, random dy.
+struct Fp8Case {
+  LayerConfig config;
+  std::vector<reference::RankInput> inputs;
+  std::vector<reference::RankExperts> experts;
+  std::vector<std::vector<float>> dy;
+};
+
+Fp8Case fp8_case() {
+  Fp8Case b;
+  LayerConfig& c = b.config;
   c.hidden = 384;
   c.intermediate = 256;
   c.num_experts = 8;
@@ -136,8 +140,27 @@ TEST(ReferenceFp8, ForwardCloseToTheExactForward) {
   synthetic::InputSpec spec;
   spec.tokens_per_rank = {37, 64};
   spec.routing = synthetic::Routing::kWithEmptySlots;
-  const auto inputs = synthetic::make_inputs(c, spec);
-  const auto experts = synthetic::make_experts(c, 3);
+  b.inputs = synthetic::make_inputs(c, spec);
+  b.experts = synthetic::make_experts(c, 3);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (const auto& in : b.inputs) {
+    b.dy.emplace_back(in.num_tokens * c.hidden);
+    for (float& v : b.dy.back()) v = u(rng);
+  }
+  return b;
+}
+
+// The quantized forward stays close to the exact one, on both scale kinds, with empty slots.
+// e4m3 keeps 3 mantissa bits: each element's rounding error is up to 1/16 (about 3.6% rms), and
+// a dot product of random-sign terms keeps that relative error (its sum grows like its error),
+// so each GEMM with both operands quantized costs about 5% and the layer's two (x and W_gate /
+// W_up, then h and W_down) about 6%: the tolerance against the exact forward is 8%.
+TEST(ReferenceFp8, ForwardCloseToTheExactForward) {
+  const Fp8Case b = fp8_case();
+  const LayerConfig& c = b.config;
+  const auto& inputs = b.inputs;
+  const auto& experts = b.experts;
   std::vector<std::vector<float>> exact;
   ASSERT_TRUE(reference::forward(c, inputs, experts, &exact).ok());
   for (bool pow2 : {false, true}) {
@@ -167,42 +190,12 @@ double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
   return std::sqrt(err / norm);
 }
 
-struct BackwardCase {
-  LayerConfig config;
-  std::vector<reference::RankInput> inputs;
-  std::vector<reference::RankExperts> experts;
-  std::vector<std::vector<float>> dy;
-};
-
-BackwardCase backward_case() {
-  BackwardCase b;
-  LayerConfig& c = b.config;
-  c.hidden = 384;
-  c.intermediate = 256;
-  c.num_experts = 8;
-  c.top_k = 3;
-  c.ep_size = 2;
-  c.max_tokens_per_rank = 64;
-  synthetic::InputSpec spec;
-  spec.tokens_per_rank = {37, 64};
-  spec.routing = synthetic::Routing::kWithEmptySlots;
-  b.inputs = synthetic::make_inputs(c, spec);
-  b.experts = synthetic::make_experts(c, 3);
-  std::mt19937 rng(11);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  for (const auto& in : b.inputs) {
-    b.dy.emplace_back(in.num_tokens * c.hidden);
-    for (float& v : b.dy.back()) v = u(rng);
-  }
-  return b;
-}
-
 // The quantized backward stays close to the exact one, for every gradient, on both scale kinds.
 // Every gradient has one or two GEMMs with both operands quantized behind it (about 5% each, as in
 // the forward) and a quantized factor (Q(x), Q(h), Q(dy)); they land at 5-7% on these inputs, as
 // the forward's 6%: the tolerance is 10%.
 TEST(ReferenceFp8, BackwardCloseToTheExactBackward) {
-  const BackwardCase b = backward_case();
+  const Fp8Case b = fp8_case();
   std::vector<reference::RankGrads> exact;
   ASSERT_TRUE(reference::backward(b.config, b.inputs, b.experts, b.dy, &exact).ok());
   for (bool pow2 : {false, true}) {
@@ -226,7 +219,7 @@ TEST(ReferenceFp8, BackwardCloseToTheExactBackward) {
 
 // backward_token_fp8 is backward_fp8's arithmetic: bit for bit its rows.
 TEST(ReferenceFp8, TokenBackwardIsTheWholeBackwardsRow) {
-  const BackwardCase b = backward_case();
+  const Fp8Case b = fp8_case();
   std::vector<reference::RankGrads> whole;
   ASSERT_TRUE(reference::backward_fp8(b.config, b.inputs, b.experts, b.dy, false, &whole).ok());
   const reference::Fp8Experts q = reference::quantize_experts_fp8(b.config, b.experts, false);
@@ -234,10 +227,9 @@ TEST(ReferenceFp8, TokenBackwardIsTheWholeBackwardsRow) {
   for (int r = 0; r < b.config.ep_size; ++r)
     for (int64_t t : {int64_t{0}, b.inputs[r].num_tokens - 1}) {
       std::vector<float> dx(H), dw(K);
-      reference::backward_token_fp8(b.config, q, b.inputs[r].x.data() + t * H,
-                                    b.inputs[r].topk_idx.data() + t * K,
-                                    b.inputs[r].topk_weights.data() + t * K,
-                                    b.dy[r].data() + t * H, dx.data(), dw.data());
+      reference::backward_token_fp8(
+          b.config, q, b.inputs[r].x.data() + t * H, b.inputs[r].topk_idx.data() + t * K,
+          b.inputs[r].topk_weights.data() + t * K, b.dy[r].data() + t * H, dx.data(), dw.data());
       for (int64_t j = 0; j < H; ++j) ASSERT_EQ(dx[j], whole[r].dx[t * H + j]) << r << " " << t;
       for (int64_t k = 0; k < K; ++k)
         ASSERT_EQ(dw[k], whole[r].d_topk_weights[t * K + k]) << r << " " << t;
@@ -247,10 +239,10 @@ TEST(ReferenceFp8, TokenBackwardIsTheWholeBackwardsRow) {
 // Empty slots contribute nothing (a token without experts gets dx = 0), and an infinity in one
 // token's dy stays in that token's dx: each token's dy has its own 1 x 128 scales.
 TEST(ReferenceFp8, BackwardEmptySlotsAndAnInfinityStayInTheirToken) {
-  BackwardCase b = backward_case();
+  Fp8Case b = fp8_case();
   const int64_t H = b.config.hidden, K = b.config.top_k;
   for (int64_t k = 0; k < K; ++k) b.inputs[0].topk_idx[3 * K + k] = -1;  // rank 0, token 3
-  b.dy[1][5 * H + 17] = INFINITY;                                         // rank 1, token 5
+  b.dy[1][5 * H + 17] = INFINITY;                                        // rank 1, token 5
   std::vector<reference::RankGrads> got;
   ASSERT_TRUE(reference::backward_fp8(b.config, b.inputs, b.experts, b.dy, false, &got).ok());
   for (int64_t j = 0; j < H; ++j) EXPECT_EQ(got[0].dx[3 * H + j], 0.0f) << j;
@@ -268,4 +260,3 @@ TEST(ReferenceFp8, BackwardEmptySlotsAndAnInfinityStayInTheirToken) {
 
 }  // namespace
 }  // namespace epflow
-
