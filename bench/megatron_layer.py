@@ -11,8 +11,8 @@ they route identically. Information, not a claim about production Megatron: Mega
 whose wheel (~280 MB, built against a given torch) cannot be brought to the GPU machine.
 
 Usage: torchrun --standalone --nproc_per_node 1 bench/megatron_layer.py \\
-           [--preset deepseek-v3] [--tokens 2048,8192] [--warmup 10] [--iters 20] [--repeats 3]
-           [--json out.json]"""
+           [--preset deepseek-v3] [--tokens 2048,8192] [--warmup 10] [--settle-ms 2000] [--iters 20]
+           [--repeats 3] [--json out.json]"""
 from __future__ import annotations
 
 from torch_bench_env import (git_commit, init_torchrun, median_step_ms,  # first: before torch
@@ -77,7 +77,7 @@ def main() -> int:
                     y, _ = layer(x)
                     y.backward(dy)
                 ms = torch.tensor(median_step_ms(step, list(layer.parameters()), args.warmup,
-                                                 args.iters), device=device)
+                                                 args.iters, args.settle_ms), device=device)
                 dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank
                 per_repeat[name].append(ms.item() * 1e3)
         flops = 18.0 * T * p.top_k * p.hidden * p.intermediate  # forward 6, backward 12 per row
@@ -102,8 +102,8 @@ def main() -> int:
             {"kind": "megatron-layer-step", "device": torch.cuda.get_device_name(device),
              "commit": git_commit(), "date": datetime.date.today().isoformat(),
              "megatron_core": megatron.core.__version__, "torch": torch.__version__,
-             "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
-             "seed": args.seed, "runs": runs}, indent=2) + "\n")
+             "warmup": args.warmup, "settle_ms": args.settle_ms, "iters": args.iters,
+             "repeats": args.repeats, "seed": args.seed, "runs": runs}, indent=2) + "\n")
     epflow.release_handles()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -11,7 +11,8 @@ Compare with epflow-bench --backward --accumulate-grads's train_step_us (EPFlow'
 accumulating backward, C++ API, same gradient dtype) run on the same inputs.
 
 Usage: torchrun --standalone --nproc_per_node 1 bench/moelayer_step.py \\
-           [--preset deepseek-v3] [--tokens 2048,8192] [--warmup 20] [--iters 20] [--repeats 3]
+           [--preset deepseek-v3] [--tokens 2048,8192] [--warmup 20] [--settle-ms 2000] [--iters 20]
+           [--repeats 3]
            [--routing uniform|zipf] [--seed 1] [--json out.json]"""
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def main() -> int:
                     for _ in range(args.micro_batches):
                         layer(x, idx, w).backward(dy)
                 ms = torch.tensor(median_step_ms(step, list(layer.parameters()), args.warmup,
-                                                 args.iters), device=device)
+                                                 args.iters, args.settle_ms), device=device)
                 dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank
                 per_repeat[name].append(ms.item() * 1e3)
         for name, us in per_repeat.items():
@@ -89,8 +90,8 @@ def main() -> int:
         args.json.write_text(json.dumps(
             {"kind": "moelayer-step", "device": torch.cuda.get_device_name(device),
              "commit": git_commit(), "date": datetime.date.today().isoformat(),
-             "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
-             "seed": args.seed, "runs": runs}, indent=2) + "\n")
+             "warmup": args.warmup, "settle_ms": args.settle_ms, "iters": args.iters,
+             "repeats": args.repeats, "seed": args.seed, "runs": runs}, indent=2) + "\n")
     epflow.release_handles()
     dist.destroy_process_group()
     return 0

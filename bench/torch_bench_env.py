@@ -60,12 +60,20 @@ def settle(fn, settle_ms: float) -> None:
         fn()
 
 
-def median_step_ms(step, params, warmup: int, iters: int) -> float:
-    """Median GPU time (CUDA events) of step() over `iters` calls after `warmup` untimed ones,
-    the parameters' .grad set to None before each (as an optimizer's zero_grad)."""
+def median_step_ms(step, params, warmup: int, iters: int, settle_ms: float) -> float:
+    """Median GPU time (CUDA events) of step() over `iters` calls after settle_ms of untimed calls
+    (settle()) and `warmup` more, the parameters' .grad set to None before each (as an
+    optimizer's zero_grad)."""
     import statistics
 
     import torch
+
+    def fresh_step():
+        for p in params:
+            p.grad = None
+        step()
+
+    settle(fresh_step, settle_ms)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(warmup + iters)]
     for start, end in events:
@@ -79,8 +87,8 @@ def median_step_ms(step, params, warmup: int, iters: int) -> float:
 
 
 def step_arguments(doc: str, warmup: int):
-    """The training-step benchmarks' shared flags (preset, tokens, warmup, iters, repeats, seed,
-    json); a script adds its own before parse_args()."""
+    """The training-step benchmarks' shared flags (preset, tokens, warmup, settle-ms, iters,
+    repeats, seed, json); a script adds its own before parse_args()."""
     import argparse
 
     import inputs
@@ -89,6 +97,9 @@ def step_arguments(doc: str, warmup: int):
     ap.add_argument("--preset", default="deepseek-v3", choices=sorted(inputs.PRESETS))
     ap.add_argument("--tokens", default="2048,8192", help="tokens per rank per step")
     ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--settle-ms", type=float, default=2000.0,
+                    help="untimed steps for this many ms of GPU time before each system's "
+                    "warm-up (bench/settle.h)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
