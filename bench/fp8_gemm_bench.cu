@@ -173,10 +173,8 @@ Result run_point(const Shape& s, int64_t per, const Options& o) {
     check(kernels::launch_fp8_grouped_gemm(g, nullptr), "launch");
     return true;
   };
-  const double call_ms = bench::one_call_ms(launch, nullptr);
-  if (call_ms < 0) check(cudaGetLastError(), "timing a settling call");
-  for (int64_t i = bench::settle_calls(static_cast<double>(o.settle_ms), call_ms); i > 0; --i)
-    launch();
+  if (!bench::settle_locally(launch, nullptr, static_cast<double>(o.settle_ms)))
+    check(cudaErrorUnknown, "timing a settling call");
   for (int i = 0; i < o.warmup; ++i) launch();
   cudaEvent_t e0, e1;
   check(cudaEventCreate(&e0), "event");

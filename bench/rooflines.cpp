@@ -26,11 +26,8 @@ Status median_ms(cudaStream_t stream, int warmup, int settle_ms, int iters, Fn f
   std::vector<cudaEvent_t> ev(2 * iters);
   for (auto& e : ev) EPFLOW_RETURN_IF_ERROR(cuda(cudaEventCreate(&e), "cudaEventCreate"));
   Status s = Status::ok_status();
-  if (settle_ms > 0) {
-    const double ms = one_call_ms([&] { return (s = fn()).ok(); }, stream);
-    if (s.ok() && ms < 0) s = cuda(cudaGetLastError(), "timing a settling run");
-    for (int64_t i = settle_calls(settle_ms, ms); i > 0 && s.ok(); --i) s = fn();
-  }
+  if (!settle_locally([&] { return (s = fn()).ok(); }, stream, settle_ms) && s.ok())
+    s = cuda(cudaErrorUnknown, "timing a settling run");
   for (int i = 0; i < warmup && s.ok(); ++i) s = fn();
   for (int i = 0; i < iters && s.ok(); ++i) {
     s = cuda(cudaEventRecord(ev[2 * i], stream), "cudaEventRecord");

@@ -41,4 +41,16 @@ double one_call_ms(Call&& call, cudaStream_t stream) {
   return ok ? ms : -1.0;
 }
 
+// One GPU's settling (no other rank to agree with): untimed calls of `call` for settle_ms of GPU
+// time on `stream`, none when settle_ms is 0. False when a call or the timing failed.
+template <class Call>
+bool settle_locally(Call&& call, cudaStream_t stream, double settle_ms) {
+  if (settle_ms <= 0) return true;
+  const double ms = one_call_ms(call, stream);
+  if (ms < 0) return false;
+  for (int64_t i = settle_calls(settle_ms, ms); i > 0; --i)
+    if (!call()) return false;
+  return true;
+}
+
 }  // namespace epflow::bench

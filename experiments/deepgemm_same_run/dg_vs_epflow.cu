@@ -128,16 +128,12 @@ std::vector<double> time_rounds(Launch&& launch, const Options& o) {
   cudaEvent_t e0, e1;
   check(cudaEventCreate(&e0), "event");
   check(cudaEventCreate(&e1), "event");
-  const double call_ms = o.settle_ms > 0 ? epflow::bench::one_call_ms(
-                                               [&] {
-                                                 launch();
-                                                 return true;
-                                               },
-                                               nullptr)
-                                         : 0.0;
-  for (int64_t i = epflow::bench::settle_calls(static_cast<double>(o.settle_ms), call_ms); i > 0;
-       --i)
+  auto call = [&] {
     launch();
+    return true;
+  };
+  if (!epflow::bench::settle_locally(call, nullptr, static_cast<double>(o.settle_ms)))
+    check(cudaErrorUnknown, "timing a settling call");
   for (int i = 0; i < o.warmup; ++i) launch();
   std::vector<double> rounds;
   for (int r = 0; r < o.rounds; ++r) {
