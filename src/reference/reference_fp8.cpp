@@ -126,7 +126,8 @@ void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, co
                         Fp8WeightGradSums* sums) {
   const int64_t H = config.hidden, I = config.intermediate;
   const bool pow2 = experts.power_of_two_scales;
-  std::vector<float> xv, xs, dyv, dys, h(I), hv, hs, dgf(I), duf(I), dgv, dgs, duv, dus;
+  std::vector<float> xv, xs, dyv, dys, gk(I), uk(I), h(I), hv, hs, dgf(I), duf(I), dgv, dgs, duv,
+      dus;
   std::vector<double> g, u, dhp, dg(I), du(I), dx(H, 0.0);
   quantize_row(x_row, H, pow2, &xv, &xs);
   quantize_row(dy_row, H, pow2, &dyv, &dys);  // by dy's owner, once per token
@@ -142,7 +143,6 @@ void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, co
     // and quantized as the forward's down GEMM read it.
     fp8_matvec(experts.gate[e], xv, xs, &g);
     fp8_matvec(experts.up[e], xv, xs, &u);
-    std::vector<float> gk(I), uk(I);
     for (int64_t i = 0; i < I; ++i) {
       gk[i] = round_bf16(static_cast<float>(g[i]));
       uk[i] = round_bf16(static_cast<float>(u[i]));
