@@ -125,7 +125,7 @@ Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, boo
       w.up, E, I, H, pow2, base + at[1], scales(4), stream, w.up_expert_stride, transposed(7)));
   EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
       w.down, E, H, I, pow2, base + at[2], scales(5), stream, w.down_expert_stride, transposed(8)));
-  *out = Fp8ExpertWeights{base + at[0], base + at[1], base + at[2], scales(3),    scales(4),
+  *out = Fp8ExpertWeights{base + at[0], base + at[1],  base + at[2],  scales(3),    scales(4),
                           scales(5),    transposed(6), transposed(7), transposed(8)};
   return Status::ok_status();
 }

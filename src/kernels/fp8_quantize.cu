@@ -112,7 +112,8 @@ __device__ void store_transposed(const uint8_t (*tile)[kTileStride], int64_t row
       uint32_t word[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        word[i] = uint32_t{tile[ch * 16 + 4 * i][oc]} | uint32_t{tile[ch * 16 + 4 * i + 1][oc]} << 8 |
+        word[i] = uint32_t{tile[ch * 16 + 4 * i][oc]} |
+                  uint32_t{tile[ch * 16 + 4 * i + 1][oc]} << 8 |
                   uint32_t{tile[ch * 16 + 4 * i + 2][oc]} << 16 |
                   uint32_t{tile[ch * 16 + 4 * i + 3][oc]} << 24;
       *reinterpret_cast<uint4*>(dst) = make_uint4(word[0], word[1], word[2], word[3]);

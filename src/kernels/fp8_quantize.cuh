@@ -27,7 +27,7 @@ cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int
 // block (b, a) of the transpose.
 cudaError_t launch_quantize_blocks_128x128(const __nv_bfloat16* w, int64_t matrices, int64_t rows,
                                            int64_t cols, bool power_of_two_scales, uint8_t* q,
-                                           float* scales, cudaStream_t stream,
-                                           int64_t w_stride = 0, uint8_t* qt = nullptr);
+                                           float* scales, cudaStream_t stream, int64_t w_stride = 0,
+                                           uint8_t* qt = nullptr);
 
 }  // namespace epflow::kernels
