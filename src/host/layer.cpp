@@ -75,27 +75,30 @@ Status validate(const LayerConfig& c, const ForwardArgs& a) {
 
 namespace {
 
-// quantize_expert_weights' buffer: the three e4m3 matrices, then their scales, each region
-// 256-byte aligned. offsets[i]: start of region i (gate, up, down, their scales); [6]: the end.
-void fp8_weight_regions(const LayerConfig& c, int64_t offsets[7]) {
+// quantize_expert_weights' buffer: the three e4m3 matrices, their scales, then (training
+// configs) the three transposed copies, each region 256-byte aligned. offsets[i]: start of
+// region i (gate, up, down, their scales, gate_t, up_t, down_t); [9]: the end.
+void fp8_weight_regions(const LayerConfig& c, int64_t offsets[10]) {
   const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
   const int64_t hb = (H + 127) / 128, ib = (I + 127) / 128;
-  const int64_t sizes[6] = {E * I * H, E * I * H, E * H * I, E * ib * hb * 4, E * ib * hb * 4,
-                            E * hb * ib * 4};
+  const int64_t t = c.with_backward ? 1 : 0;
+  const int64_t sizes[9] = {E * I * H,       E * I * H,       E * H * I,
+                            E * ib * hb * 4, E * ib * hb * 4, E * hb * ib * 4,
+                            t * E * H * I,   t * E * H * I,   t * E * I * H};
   int64_t at = 0;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 9; ++i) {
     offsets[i] = at;
     at += (sizes[i] + 255) / 256 * 256;
   }
-  offsets[6] = at;
+  offsets[9] = at;
 }
 
 }  // namespace
 
 int64_t fp8_expert_weights_bytes(const LayerConfig& config) {
-  int64_t offsets[7];
+  int64_t offsets[10];
   fp8_weight_regions(config, offsets);
-  return offsets[6];
+  return offsets[9];
 }
 
 Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, bool pow2,
@@ -104,10 +107,10 @@ Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, boo
   EPFLOW_RETURN_IF_ERROR(validate(c));
   EPFLOW_RETURN_IF_ERROR(require(out != nullptr, "output pointer is null"));
   EPFLOW_RETURN_IF_ERROR(check_bf16_expert_weights(c, w));
-  int64_t at[7];
+  int64_t at[10];
   fp8_weight_regions(c, at);
-  if (buffer == nullptr || buffer_bytes < at[6])
-    return invalid_argument("the FP8 weights' buffer must be device memory of at least ", at[6],
+  if (buffer == nullptr || buffer_bytes < at[9])
+    return invalid_argument("the FP8 weights' buffer must be device memory of at least ", at[9],
                             " bytes (fp8_expert_weights_bytes), got ", buffer_bytes,
                             buffer ? "" : " (null)");
   EPFLOW_RETURN_IF_ERROR(require(reinterpret_cast<uintptr_t>(buffer) % 256 == 0,
@@ -115,13 +118,15 @@ Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, boo
   auto* base = static_cast<uint8_t*>(buffer);
   const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
   auto scales = [&](int i) { return reinterpret_cast<float*>(base + at[i]); };
+  auto transposed = [&](int i) { return c.with_backward ? base + at[i] : nullptr; };
   EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
-      w.gate, E, I, H, pow2, base + at[0], scales(3), stream, w.gate_expert_stride));
+      w.gate, E, I, H, pow2, base + at[0], scales(3), stream, w.gate_expert_stride, transposed(6)));
   EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
-      w.up, E, I, H, pow2, base + at[1], scales(4), stream, w.up_expert_stride));
+      w.up, E, I, H, pow2, base + at[1], scales(4), stream, w.up_expert_stride, transposed(7)));
   EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
-      w.down, E, H, I, pow2, base + at[2], scales(5), stream, w.down_expert_stride));
-  *out = Fp8ExpertWeights{base + at[0], base + at[1], base + at[2], scales(3), scales(4), scales(5)};
+      w.down, E, H, I, pow2, base + at[2], scales(5), stream, w.down_expert_stride, transposed(8)));
+  *out = Fp8ExpertWeights{base + at[0], base + at[1],  base + at[2],  scales(3),    scales(4),
+                          scales(5),    transposed(6), transposed(7), transposed(8)};
   return Status::ok_status();
 }
 

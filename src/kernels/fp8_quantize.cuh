@@ -21,10 +21,13 @@ cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int
 // w [matrices, rows, cols] -> q (same shape, densely packed), scales [matrices,
 // ceil(rows / 128), ceil(cols / 128)]. One matrix per expert: a block never spans two. Matrix i
 // of w starts at w + i * w_stride (elements; 0: rows * cols, densely packed; a multiple of 8;
-// negative: the matrices laid out from the last to the first).
+// negative: the matrices laid out from the last to the first). qt (optional, 16-byte aligned):
+// the same bytes transposed, [matrices, cols, rows] (the FP8 backward's GEMMs contract over the
+// other dimension, and e4m3 wgmma reads K-major operands only); block (a, b)'s scale serves
+// block (b, a) of the transpose.
 cudaError_t launch_quantize_blocks_128x128(const __nv_bfloat16* w, int64_t matrices, int64_t rows,
                                            int64_t cols, bool power_of_two_scales, uint8_t* q,
-                                           float* scales, cudaStream_t stream,
-                                           int64_t w_stride = 0);
+                                           float* scales, cudaStream_t stream, int64_t w_stride = 0,
+                                           uint8_t* qt = nullptr);
 
 }  // namespace epflow::kernels

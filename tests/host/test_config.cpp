@@ -282,6 +282,10 @@ TEST(ForwardArgsValidate, Fp8LayerNeedsFp8WeightsAndQuantizationABuffer) {
   const int64_t E = c.experts_per_rank();
   const int64_t matrix = E * 2048 * 7168, scales = E * 16 * 56 * 4;
   EXPECT_EQ(fp8_expert_weights_bytes(c), 3 * matrix + 3 * ((scales + 255) / 256 * 256));
+  // A training config's weights also hold the three matrices transposed (same scales).
+  LayerConfig training = c;
+  training.with_backward = true;
+  EXPECT_EQ(fp8_expert_weights_bytes(training), fp8_expert_weights_bytes(c) + 3 * matrix);
   Fp8ExpertWeights out;
   expect_invalid(quantize_expert_weights(c, a.weights, false, nullptr, 0, &out, nullptr),
                  "fp8_expert_weights_bytes");
