@@ -198,7 +198,8 @@ struct DhSink {
       const int64_t row = int64_t{c.a_row} + wg * 64 + i / (3 * chunks);
       const int32_t part = i % (3 * chunks) / chunks, col = i % chunks * 8;
       __nv_bfloat16* dst = part == 0 ? a->wh_out + row * I + col0 + col
-                                     : a->ring_h + row * 2 * I + (part - 1) * I + col0 + col;
+                                     : (kFp8 ? a->dgu_out : a->ring_h) + row * 2 * I +
+                                           (part - 1) * I + col0 + col;
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
     if constexpr (kFp8) {
