@@ -1641,13 +1641,14 @@ int run_gpu(const Options& o, int devices) {
                << ", \"forward_saving_us\": " << json_num(f.forward_saving_us)
                << ", \"train_step_us\": " << json_num(ts.train_step_us)
                << ", \"train_step_forward_us\": " << json_num(ts.train_step_forward_us)
-               << ", \"train_step_quantize_us\": " << json_num(ts.train_step_quantize_us)
                << ", \"repeat_layer_us\": ["
                << join_numbers(per_repeat(variant_reps[v], &RankResult::backward_us), ", ", 2)
                << "], \"repeat_train_step_us\": ["
                << join_numbers(per_repeat(variant_reps[v], &RankResult::train_step_us), ", ", 2)
-               << "]"
-               << ", \"backward_bytes\": " << b.memory.backward_bytes
+               << "]";
+          if (fp8_layer)
+            json << ", \"train_step_quantize_us\": " << json_num(ts.train_step_quantize_us);
+          json << ", \"backward_bytes\": " << b.memory.backward_bytes
                << ", \"saved_context_bytes\": " << b.saved_context_bytes
                << ", \"saved_gate_up_rows\": " << b.plan.saved_gate_up_rows
                << ", \"stage_us\": {" << stages_json(b.backward_stage_names, b.backward_stage_us)

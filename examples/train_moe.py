@@ -388,6 +388,25 @@ def check_rules(grad_failures: list, final: dict, learn_ratio: float = LEARN_RAT
     return failed
 
 
+@torch.no_grad()
+def fp8_rounding_floor(models: dict, teacher: Teacher, tokens: int, rank: int, world: int,
+                       device: torch.device, batches: int = 8):
+    """(bf16 loss, FP8 loss) of the bf16 EPFlow model's final weights, run as they are and
+    through the FP8 layer (its weights overwritten with them), on fresh batches, averaged over
+    the ranks: what FP8's rounding alone adds to the loss at this point of training."""
+    fp8, bf16 = models["epflow-fp8"], models["epflow"]
+    fp8.load_state_dict(bf16.state_dict())
+    data = torch.Generator(device=device).manual_seed(5000 + rank)
+    hidden = teacher.head_weight.shape[0]
+    sums = torch.zeros(2, device=device)
+    for _ in range(batches):
+        x = torch.randn(tokens, hidden, device=device, generator=data)
+        target = teacher(x)
+        sums += torch.stack([F.mse_loss(bf16(x), target), F.mse_loss(fp8(x), target)])
+    dist.all_reduce(sums)
+    return tuple((sums / (batches * world)).tolist())
+
+
 def build_models(moes: list, teacher: Teacher, args, world: int, device: torch.device,
                  moes_fp8: list | None = None):
     """The models from the same initial weights: the MoE layers `moes` (epflow.MoELayer,
@@ -492,6 +511,8 @@ def run(args, moes: list, teacher: Teacher, rank: int, world: int,
             t = torch.tensor(ms[len(ms) // 2], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
             tps[name] = world * args.tokens / (t.item() * 1e-3)
+    floor = (fp8_rounding_floor(models, teacher, args.tokens, rank, world, device)
+             if "epflow-fp8" in models and device.type == "cuda" else None)
     if rank == 0:
         for r, (line, bad) in enumerate(per_rank):
             print(f"gradient check, step 0{f', rank {r}' if world > 1 else ''} (EPFlow's "
@@ -510,6 +531,11 @@ def run(args, moes: list, teacher: Teacher, rank: int, world: int,
             print(f"fp8: final loss / the linear model's {final['epflow-fp8'] / final['linear']:.3f}"
                   f"; {100 * abs(final['epflow-fp8'] - final['epflow']) / final['epflow']:.2f}% "
                   f"from the bf16 EPFlow model's (rule 4: at most {100 * AGREE_TOL:g}%)")
+            if floor:
+                print(f"fp8: the bf16 EPFlow model's final weights through the FP8 layer: loss "
+                      f"{floor[1]:.5f} against {floor[0]:.5f} in bf16 "
+                      f"({100 * (floor[1] / floor[0] - 1):+.1f}%): what FP8's rounding alone "
+                      f"adds at this loss, training aside")
         if tps:
             print(f"tokens/s (median training step, {world} GPU{'s' if world > 1 else ''}): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in tps.items())
