@@ -34,15 +34,9 @@ namespace epflow::kernels::megakernel {
 // row's 128-column block is held by a quad over 16 n8 blocks, so each thread keeps its bf16 pairs
 // of the block until its last n8 block, then the quad reduces the amax and writes the e4m3
 // bytes (quantized_block).
-// NOTES: the epilogue reads g | u in four passes of 8 n8 blocks, each pass's 32 loads per thread
-// issued together in begin() before its writes: loaded where write() used them, one dependent
-// L2 round trip per load, the epilogue dominated the tile (a dhp tile ran about as long in FP8 as
-// in bf16, ~2.5x a dx tile of 57% of its FLOPs).
 template <bool kFp8>
 struct DhSink {
   static constexpr bool kDirect = true;
-  static constexpr int kWritePasses = 4;
-  static constexpr int kPassJ = kTileCols / 8 / kWritePasses;  // n8 blocks per pass
   static constexpr int kBlockJ = fp8::kBlock / 8;  // n8 blocks per 1 x 128 block
   const MegakernelArgs* a;
   uint32_t* counter = nullptr;
@@ -57,8 +51,6 @@ struct DhSink {
   int32_t cols = 0, q = 0, wg = 0, tid = 0;
   uint32_t wh_pairs[2][4], dg_pairs[2][4], du_pairs[2][4];
   uint32_t dg_block[2][kFp8 ? kBlockJ : 1], du_block[2][kFp8 ? kBlockJ : 1];  // kFp8
-  uint32_t g_pass[2][kPassJ], u_pass[2][kPassJ];  // the current pass's g and u pairs (begin)
-  int32_t pass_j0 = 0;                            // its first n8 block
 
   __device__ __forceinline__ void prepare(const gemm::TileCoord& tile, int warpgroup, int thread) {
     c = tile;
@@ -67,7 +59,6 @@ struct DhSink {
     const int64_t I = a->intermediate, col0 = int64_t{tile.n_tile} * kTileCols;
     q = tid % 4;
     cols = static_cast<int32_t>(I - col0);
-    pass_j0 = 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       row[half] = int64_t{tile.a_row} + wg * 64 + tid / 32 * 16 + tid % 32 / 4 + 8 * half;
@@ -95,28 +86,15 @@ struct DhSink {
       }
     }
   }
-  // Before each pass's writes: its g and u pairs, all loads in flight together (zeros where
-  // write() does not read them).
-  __device__ __forceinline__ void begin(int, int) {
-#pragma unroll
-    for (int jj = 0; jj < kPassJ; ++jj)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int col = 8 * (pass_j0 + jj) + 2 * q;
-        const bool in = gu[half] && col < cols;
-        g_pass[half][jj] = in ? __ldg(reinterpret_cast<const unsigned*>(gu[half] + col)) : 0u;
-        u_pass[half][jj] =
-            in ? __ldg(reinterpret_cast<const unsigned*>(gu[half] + a->intermediate + col)) : 0u;
-      }
-    pass_j0 += kPassJ;
-  }
+  __device__ __forceinline__ void begin(int, int) {}
   // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
   __device__ __forceinline__ void write(int j, int half, float d0, float d1) {
     const int col = 8 * j + 2 * q;
     float wh0 = 0.0f, wh1 = 0.0f, dg0 = 0.0f, dg1 = 0.0f, du0 = 0.0f, du1 = 0.0f;
     if (gu[half] && col < cols) {
-      const float2 g = gemm::bf16_pair_to_float2(g_pass[half][j % kPassJ]);
-      const float2 u = gemm::bf16_pair_to_float2(u_pass[half][j % kPassJ]);
+      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gu[half] + col));
+      const float2 u = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(gu[half] + a->intermediate + col));
       auto one = [&](float gv, float uv, float dhp, float* whv, float* dgv, float* duv) {
         const float sig = gemm::sigmoid(gv);
         const float silu = gv * sig;
