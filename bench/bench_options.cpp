@@ -253,8 +253,8 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
     if (o->accumulate_grads) fail("--accumulate-grads needs --backward");
     if (o->saved_gate_up_rows > 0) fail("--saved-gate-up-rows needs --backward");
   }
-  if (o->fp8 && o->backward)
-    fail("--dtype fp8 times the forward only: the FP8 layer's backward is not implemented yet");
+  if (o->fp8 && (o->backward_unfused || !o->backward_side_sms.empty()))
+    fail("--dtype fp8: the unfused backward is bf16 only");
   if (!o->json.empty())
     if (const std::string why = file_unwritable(o->json); !why.empty())
       fail("--json: cannot write " + in_quotes(o->json) + ": " + why);

@@ -80,6 +80,7 @@ struct RankResult {
   double forward_saving_us = 0;  // --backward: the forward that keeps g | u for it (median)
   double train_step_us = 0;      // --backward: that forward and its backward, timed as one
   double train_step_forward_us = 0;  // ... of which the forward (an event between the two)
+  double train_step_quantize_us = 0;  // ... and (FP8) the weights' re-quantization before it
   double unfused_backward_us = 0;  // --backward-unfused: the unfused backward, its stages
   std::vector<std::string> unfused_stage_names;
   double unfused_stage_us[kMaxBackwardStages] = {};
@@ -188,6 +189,8 @@ class RankData {
     const int64_t bytes = fp8_expert_weights_bytes(c);
     uint8_t* buffer = nullptr;
     EPFLOW_RETURN_IF_ERROR(alloc(&buffer, bytes, "cudaMalloc (FP8 weights)"));
+    fp8_buffer_ = buffer;
+    fp8_bytes_ = bytes;
     std::vector<double> ms;
     cudaEvent_t start = nullptr, end = nullptr;
     EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventCreate(&start), "cudaEventCreate"));
@@ -208,6 +211,12 @@ class RankData {
     cudaEventDestroy(end);
     if (s.ok()) *us = median(ms) * 1e3;
     return s;
+  }
+  // The FP8 training step's re-quantization after an optimizer step: quantize_expert_weights
+  // again into the buffer quantize_weights made (stream-ordered, untimed here).
+  Status requantize_weights(const LayerConfig& c, cudaStream_t stream) {
+    return quantize_expert_weights(c, args_.weights, c.fp8_power_of_two_scales, fp8_buffer_,
+                                   fp8_bytes_, &args_.weights.fp8, stream);
   }
 
   // The backward's outputs (dx, d topk_weights, weight gradients in `dtype`), dy =
@@ -269,6 +278,8 @@ class RankData {
   int32_t* idx_ = nullptr;
   float* tw_ = nullptr;
   ForwardArgs args_;
+  uint8_t* fp8_buffer_ = nullptr;  // FP8: quantize_weights' (freed with the other buffers)
+  int64_t fp8_bytes_ = 0;
   BackwardArgs grads_;
   SavedContext context_;
 };
@@ -442,23 +453,29 @@ Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const 
   };
   EPFLOW_RETURN_IF_ERROR(run(&out->backward_us, out->backward_stage_us,
                              &out->backward_stage_names));
-  // The training step as a training loop runs it: a forward that keeps what its backward reads,
-  // then that backward, timed as one.
-  IterationEvents<2> step;
+  // The training step as a training loop runs it: (FP8) the weights re-quantized from the
+  // master weights an optimizer step updated, a forward that keeps what its backward reads, then
+  // that backward, timed as one.
+  IterationEvents<3> step;
   EPFLOW_RETURN_IF_ERROR(step.create(n));
+  const bool fp8 = c.dtype == DType::kFP8Blockwise;
   for (int i = 0; i < n; ++i) {
     saved = data.fresh_context();
-    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[0], stream), "cudaEventRecord"));
+    const cudaEvent_t* m = step.marks(i);
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(m[0], stream), "cudaEventRecord"));
+    if (fp8) EPFLOW_RETURN_IF_ERROR(data.requantize_weights(c, stream));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(m[1], stream), "cudaEventRecord"));
     EPFLOW_RETURN_IF_ERROR(layer.forward(data.args(), stream, &saved));
-    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[1], stream), "cudaEventRecord"));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(m[2], stream), "cudaEventRecord"));
     EPFLOW_RETURN_IF_ERROR(layer.backward(data.grads(), saved, stream));
-    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(step.marks(i)[2], stream), "cudaEventRecord"));
+    EPFLOW_RETURN_IF_ERROR(cuda_status(cudaEventRecord(m[3], stream), "cudaEventRecord"));
   }
   EPFLOW_RETURN_IF_ERROR(
       layer.with_device_failure(cuda_status(cudaStreamSynchronize(stream), "EPFlow training step")));
-  double step_parts[2] = {};
+  double step_parts[3] = {};
   EPFLOW_RETURN_IF_ERROR(step.summarize(o.warmup, &out->train_step_us, step_parts));
-  out->train_step_forward_us = step_parts[0];
+  out->train_step_quantize_us = step_parts[0];
+  out->train_step_forward_us = step_parts[1];
   if (!trace_path.empty())
     EPFLOW_RETURN_IF_ERROR(write_trace(hooks, layer.workspace().plan.backward_comm_sms,
                                        c.ep_rank, trace_path, true));
@@ -917,6 +934,9 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
     for (const auto& rep : reps) v.push_back(rep[r].train_step_forward_us);
     out[r].train_step_forward_us = median(v);
     v.clear();
+    for (const auto& rep : reps) v.push_back(rep[r].train_step_quantize_us);
+    out[r].train_step_quantize_us = median(v);
+    v.clear();
     for (const auto& rep : reps) v.push_back(rep[r].unfused_backward_us);
     out[r].unfused_backward_us = median(v);
     v.clear();
@@ -1229,6 +1249,10 @@ int run_gpu(const Options& o, int devices) {
   }
   const bool unfused_baseline =
       std::find(o.baselines.begin(), o.baselines.end(), kUnfused) != o.baselines.end();
+  // --backward: EPFlow's first system's backward is timed, and with --dtype fp8 its bf16 layer's.
+  auto timed_backward = [&](size_t v) {
+    return o.backward && !o.check && (v == 0 || (o.fp8 && v == 1));
+  };
   if (unfused_baseline) variants.push_back(Variant{kUnfused, 0, 0, true});
   const std::string device = device_name();
   const char* commit = std::getenv("EPFLOW_COMMIT");
@@ -1316,6 +1340,7 @@ int run_gpu(const Options& o, int devices) {
         to->forward_saving_us = from.forward_saving_us;
         to->train_step_us = from.train_step_us;
         to->train_step_forward_us = from.train_step_forward_us;
+        to->train_step_quantize_us = from.train_step_quantize_us;
         to->backward_side_us = from.backward_side_us;
         to->backward_comm_us = from.backward_comm_us;
         to->memory = from.memory;
@@ -1345,11 +1370,13 @@ int run_gpu(const Options& o, int devices) {
                              std::to_string(T) + "-rank" + std::to_string(rank) + ".csv"
                        : "";
             const int64_t interleave_rows = v == 0 && interleaved ? yardstick_rows(rank) : 0;
-            // The backward is checked on EPFlow's first bf16 system (the FP8 layer has none).
+            // The backward is checked on EPFlow's first bf16 system (the FP8 backward against
+            // its quantization-matched reference is the GPU tests'); with --dtype fp8 it is
+            // timed in both layers.
             const bool checked_backward = v == (o.fp8 ? 1 : 0) && check_backward;
             EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(
                 rc, variants[v], routing, T, o, comm, checked, &r, &y_variant[v][rank], trace,
-                interleave_rows, v == 0 && o.backward && !o.check,
+                interleave_rows, timed_backward(v),
                 checked_backward ? &backward_got[rank] : nullptr,
                 checked_backward && unfused_baseline ? &unfused_backward_got[rank] : nullptr));
             keep_times(r, &variant_results[v][rank]);
@@ -1528,6 +1555,8 @@ int run_gpu(const Options& o, int devices) {
       }
       std::printf("  %-26s %10s %12s %14s  %s\n", "system", "us", "TFLOP/s/GPU",
                   "EPFlow speedup", "check");
+      // --backward --dtype fp8: the FP8 layer's backward and step, for the bf16 one's ratios.
+      double fp8_backward_us = 0, fp8_step_us = 0;
       for (size_t v = 0; v < variants.size(); ++v) {
         const RankResult& vs = slowest(variant_results[v]);
         char label[64];
@@ -1544,14 +1573,16 @@ int run_gpu(const Options& o, int devices) {
                          &variants[v], layer_us_per_repeat(variant_reps[v]),
                          v == 0 && have_roof ? &yard : nullptr);
         first = false;
-        if (v == 0 && o.backward && !o.check) {
-          const RankResult& b = slowest(variant_results[0], &RankResult::backward_us);
+        if (timed_backward(v)) {
+          const std::string system = variants[v].system;
+          const bool fp8_layer = variants[v].dtype == DType::kFP8Blockwise;
+          const RankResult& b = slowest(variant_results[v], &RankResult::backward_us);
           const char* dtype = o.fp32_grads ? "fp32" : "bf16";
           std::printf("  %-26s %10.1f %12.1f  (weight gradients %s, %s)\n",
-                      "epflow backward", b.backward_us,
+                      (system + " backward").c_str(), b.backward_us,
                       2 * bench::forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype,
                       o.accumulate_grads ? "accumulated" : "written");
-          const RankResult& f = slowest(variant_results[0], &RankResult::forward_saving_us);
+          const RankResult& f = slowest(variant_results[v], &RankResult::forward_saving_us);
           auto stages_text = [](const std::vector<std::string>& names, const double* us) {
             std::string text;
             for (size_t st = 0; st < names.size(); ++st) {
@@ -1576,13 +1607,26 @@ int run_gpu(const Options& o, int devices) {
                       b.memory.backward_bytes * 1e-9, b.memory.total() * 1e-9,
                       static_cast<long long>(b.plan.saved_gate_up_rows),
                       b.saved_context_bytes * 1e-9);
-          std::printf("  %-26s %10.1f %12.1f\n", "epflow fwd keeping g|u", f.forward_saving_us,
+          std::printf("  %-26s %10.1f %12.1f\n", (system + " fwd keeping g|u").c_str(),
+                      f.forward_saving_us,
                       bench::forward_flops(c, f.routed_slots) / f.forward_saving_us * 1e-6);
-          const RankResult& ts = slowest(variant_results[0], &RankResult::train_step_us);
-          std::printf("  %-26s %10.1f %12.1f  (forward keeping g|u %.1f + backward %.1f)\n",
-                      "epflow training step", ts.train_step_us,
+          const RankResult& ts = slowest(variant_results[v], &RankResult::train_step_us);
+          char requantize[64] = "";
+          if (fp8_layer)
+            std::snprintf(requantize, sizeof requantize, "weight re-quantization %.1f + ",
+                          ts.train_step_quantize_us);
+          std::printf("  %-26s %10.1f %12.1f  (%sforward keeping g|u %.1f + backward %.1f)\n",
+                      (system + " training step").c_str(), ts.train_step_us,
                       3 * bench::forward_flops(c, ts.routed_slots) / ts.train_step_us * 1e-6,
-                      ts.train_step_forward_us, ts.train_step_us - ts.train_step_forward_us);
+                      requantize, ts.train_step_forward_us,
+                      ts.train_step_us - ts.train_step_forward_us - ts.train_step_quantize_us);
+          if (fp8_layer) {
+            fp8_backward_us = b.backward_us;
+            fp8_step_us = ts.train_step_us;
+          } else if (fp8_backward_us > 0) {
+            std::printf("  FP8 over bf16: backward %.2fx, training step %.2fx\n",
+                        b.backward_us / fp8_backward_us, ts.train_step_us / fp8_step_us);
+          }
           auto bwd_json = [&](const char* system, double us) {
             json << ",\n    {\"system\": \"" << system << "\", \"direction\": \"bwd\", "
                  << "\"preset\": \"" << p->name << "\", \"tokens\": " << T
@@ -1592,21 +1636,24 @@ int run_gpu(const Options& o, int devices) {
                  << ", \"grad_dtype\": \"" << dtype << "\""
                  << ", \"accumulate_grads\": " << (o.accumulate_grads ? "true" : "false");
           };
-          bwd_json("epflow", b.backward_us);
-          json << ", \"forward_saving_us\": " << json_num(f.forward_saving_us)
+          bwd_json(system.c_str(), b.backward_us);
+          json << ", \"dtype\": \"" << (fp8_layer ? "fp8" : "bf16") << "\""
+               << ", \"forward_saving_us\": " << json_num(f.forward_saving_us)
                << ", \"train_step_us\": " << json_num(ts.train_step_us)
                << ", \"train_step_forward_us\": " << json_num(ts.train_step_forward_us)
                << ", \"repeat_layer_us\": ["
-               << join_numbers(per_repeat(variant_reps[0], &RankResult::backward_us), ", ", 2)
+               << join_numbers(per_repeat(variant_reps[v], &RankResult::backward_us), ", ", 2)
                << "], \"repeat_train_step_us\": ["
-               << join_numbers(per_repeat(variant_reps[0], &RankResult::train_step_us), ", ", 2)
-               << "]"
-               << ", \"backward_bytes\": " << b.memory.backward_bytes
+               << join_numbers(per_repeat(variant_reps[v], &RankResult::train_step_us), ", ", 2)
+               << "]";
+          if (fp8_layer)
+            json << ", \"train_step_quantize_us\": " << json_num(ts.train_step_quantize_us);
+          json << ", \"backward_bytes\": " << b.memory.backward_bytes
                << ", \"saved_context_bytes\": " << b.saved_context_bytes
                << ", \"saved_gate_up_rows\": " << b.plan.saved_gate_up_rows
                << ", \"stage_us\": {" << stages_json(b.backward_stage_names, b.backward_stage_us)
                << "}}";
-          if (o.backward_unfused) {
+          if (o.backward_unfused && v == 0) {
             const RankResult& u = slowest(variant_results[0], &RankResult::unfused_backward_us);
             std::printf("  %-26s %10.1f %12.1f  (fused backward %.2fx faster)\n",
                         "epflow backward unfused", u.unfused_backward_us,
@@ -1630,10 +1677,12 @@ int run_gpu(const Options& o, int devices) {
               json << ", \"" << key << "\": " << counts[i] << "}";
             }
           };
-          ab(o.backward_side_sms, &RankResult::backward_side_us, "epflow-bwd-side",
-             "unfused, side-stream SMs", "backward_side_sms");
-          ab(o.backward_comm_sms, &RankResult::backward_comm_us, "epflow-bwd-comm",
-             "megakernel, communication SMs", "backward_comm_sms");
+          if (v == 0) {
+            ab(o.backward_side_sms, &RankResult::backward_side_us, "epflow-bwd-side",
+               "unfused, side-stream SMs", "backward_side_sms");
+            ab(o.backward_comm_sms, &RankResult::backward_comm_us, "epflow-bwd-comm",
+               "megakernel, communication SMs", "backward_comm_sms");
+          }
         }
         all_ok = all_ok && (variant_check[v].against.empty() || variant_check[v].ok());
       }

@@ -6,7 +6,7 @@ MoE models learn what only their experts can learn.
 
 One GPU (EP=1), or one process per GPU under torchrun (the experts split over the GPUs):
 
-    python3 examples/train_moe.py [--steps 600] [--blocks 2 --micro-batches 2]
+    python3 examples/train_moe.py [--steps 600] [--blocks 2 --micro-batches 2] [--dtype fp8]
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --standalone --nproc_per_node 2 examples/train_moe.py
 
@@ -22,10 +22,14 @@ before their backwards (every MoE layer has M forwards in flight, as in pipeline
 their gradients accumulate. The experts are split over the ranks (expert
 parallelism); the norm, router and head are replicated and their gradients averaged over the
 ranks (data parallelism), the experts' gradients scaled by 1/world likewise (each rank's loss is
-a mean over its own tokens). Three copies train side by side with AdamW, from the same initial
-weights, on the same data (fresh Gaussian x every step, different on every rank):
+a mean over its own tokens). Three copies (four with --dtype fp8) train side by side with AdamW,
+from the same initial weights, on the same data (fresh Gaussian x every step, different on every
+rank):
 
     epflow   the MoE is epflow.MoELayer: EPFlow's GPU forward and backward
+    epflow-fp8  (--dtype fp8 only) the MoE is epflow.MoELayer(dtype="fp8"): EPFlow's FP8 forward
+             and backward (e4m3 with 1x128 / 128x128 block scales; bf16 master weights,
+             re-quantized after every optimizer step), from the same initial expert weights
     pytorch  the MoE is bench/baselines/torch_moe.py (all_to_all + torch._grouped_mm, autograd's
              backward), holding copies of the EPFlow layer's initial expert weights
     linear   no MoE layer at all: out = head(x)
@@ -52,6 +56,10 @@ Rules (checked at the end; each failure prints "FAILED: rule ..." with its value
   2 learning   Each MoE model's final loss (mean of the last 20 steps, averaged over the ranks)
                is at most 0.25 times the linear model's (LEARN_RATIO).
   3 agreement  EPFlow's final loss is within 5% of the PyTorch model's (AGREE_TOL).
+  4 fp8        (--dtype fp8) The FP8 model's final loss is within 5% of the bf16 EPFlow model's
+               (AGREE_TOL) and, by rule 2, at most 0.25 times the linear model's. Its first-step
+               gradients against the PyTorch layer's are printed, not judged: FP8 rounds x, the
+               weights, h, dy and [dg | du] to 3 mantissa bits (errors of several percent).
 It prints the three models' losses as they train, the gradient check's result, the final losses
 and their ratios, and tokens/s of each MoE model's training step (forward + backward + optimizer,
 CUDA events, the models alternating every step). The constants below say why these bounds.
@@ -353,7 +361,7 @@ def final_losses(losses: dict, world: int):
 def check_rules(grad_failures: list, final: dict, learn_ratio: float = LEARN_RATIO,
                 agree_tol: float = AGREE_TOL) -> list:
     """The rules' failures, one line each (empty: all hold). final: name -> final loss of the
-    'epflow', 'pytorch' and 'linear' models."""
+    'epflow', 'pytorch' and 'linear' models (and 'epflow-fp8' with --dtype fp8)."""
     failed = []
     if grad_failures:
         shown = "; ".join(grad_failures[:8]) + ("; ..." if len(grad_failures) > 8 else "")
@@ -361,7 +369,7 @@ def check_rules(grad_failures: list, final: dict, learn_ratio: float = LEARN_RAT
                       f"gradients differ from the PyTorch layer's by more than {GRAD_TOL:g}: "
                       f"{shown}")
     bound = learn_ratio * final["linear"]
-    for name in ("epflow", "pytorch"):
+    for name in [k for k in ("epflow", "epflow-fp8", "pytorch") if k in final]:
         if not final[name] <= bound:  # also fails on NaN
             failed.append(f"rule 2 (learning): {name}'s final loss {final[name]:.5f} is not below "
                           f"{learn_ratio:g} x the linear model's {final['linear']:.5f} = "
@@ -371,13 +379,40 @@ def check_rules(grad_failures: list, final: dict, learn_ratio: float = LEARN_RAT
         failed.append(f"rule 3 (agreement): EPFlow's final loss {final['epflow']:.5f} is "
                       f"{100 * diff:.1f}% away from the PyTorch model's {final['pytorch']:.5f} "
                       f"(at most {100 * agree_tol:g}%)")
+    if "epflow-fp8" in final:
+        diff = abs(final["epflow-fp8"] - final["epflow"]) / final["epflow"]
+        if not diff <= agree_tol:
+            failed.append(f"rule 4 (fp8): the FP8 model's final loss {final['epflow-fp8']:.5f} is "
+                          f"{100 * diff:.1f}% away from the bf16 EPFlow model's "
+                          f"{final['epflow']:.5f} (at most {100 * agree_tol:g}%)")
     return failed
 
 
-def build_models(moes: list, teacher: Teacher, args, world: int, device: torch.device):
-    """The three models from the same initial weights: the MoE layers `moes` (epflow.MoELayer,
+@torch.no_grad()
+def fp8_rounding_floor(models: dict, teacher: Teacher, tokens: int, rank: int, world: int,
+                       device: torch.device, batches: int = 8):
+    """(bf16 loss, FP8 loss) of the bf16 EPFlow model's final weights, run as they are and
+    through the FP8 layer (its weights overwritten with them), on fresh batches, averaged over
+    the ranks: what FP8's rounding alone adds to the loss at this point of training."""
+    fp8, bf16 = models["epflow-fp8"], models["epflow"]
+    fp8.load_state_dict(bf16.state_dict())
+    data = torch.Generator(device=device).manual_seed(5000 + rank)
+    hidden = teacher.head_weight.shape[0]
+    sums = torch.zeros(2, device=device)
+    for _ in range(batches):
+        x = torch.randn(tokens, hidden, device=device, generator=data)
+        target = teacher(x)
+        sums += torch.stack([F.mse_loss(bf16(x), target), F.mse_loss(fp8(x), target)])
+    dist.all_reduce(sums)
+    return tuple((sums / (batches * world)).tolist())
+
+
+def build_models(moes: list, teacher: Teacher, args, world: int, device: torch.device,
+                 moes_fp8: list | None = None):
+    """The models from the same initial weights: the MoE layers `moes` (epflow.MoELayer,
     or stand-ins with their parameters), one per block, in 'epflow', copies of their experts in
-    'pytorch', no blocks in 'linear'; every block's router copied from the teacher's."""
+    'pytorch', no blocks in 'linear'; every block's router copied from the teacher's. moes_fp8
+    (--dtype fp8): FP8 layers that take copies of `moes`' expert weights, in 'epflow-fp8'."""
     torch.manual_seed(1)  # the replicated head and norms: the same on every rank
     model_ep = Model(args.hidden, args.experts, args.top_k, moes, device)
     with torch.no_grad():
@@ -389,7 +424,17 @@ def build_models(moes: list, teacher: Teacher, args, world: int, device: torch.d
     shared = {k: v for k, v in model_ep.state_dict().items() if not is_expert_parameter(k)}
     model_pt.load_state_dict(shared, strict=False)
     model_lin.load_state_dict({k: v for k, v in shared.items() if k.startswith("head.")})
-    return {"epflow": model_ep, "pytorch": model_pt, "linear": model_lin}
+    models = {"epflow": model_ep}
+    if moes_fp8:
+        with torch.no_grad():
+            for fp8, bf16 in zip(moes_fp8, moes):
+                for name in ("w_gate", "w_up", "w_down"):
+                    getattr(fp8, name).copy_(getattr(bf16, name))
+        model_fp8 = Model(args.hidden, args.experts, args.top_k, moes_fp8, device)
+        model_fp8.load_state_dict(shared, strict=False)
+        models["epflow-fp8"] = model_fp8
+    models.update({"pytorch": model_pt, "linear": model_lin})
+    return models
 
 
 def parse_args(argv=None):
@@ -406,6 +451,8 @@ def parse_args(argv=None):
     ap.add_argument("--blocks", type=int, default=1, help="MoE blocks in the model")
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="micro-batches per step, all forwards in flight before the backwards")
+    ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: also train the model with EPFlow's FP8 layer (rule 4)")
     args = ap.parse_args(argv)
     if args.blocks < 1 or args.micro_batches < 1 or args.tokens % args.micro_batches:
         ap.error(f"--blocks ({args.blocks}) and --micro-batches ({args.micro_batches}) must be "
@@ -429,11 +476,11 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 def run(args, moes: list, teacher: Teacher, rank: int, world: int,
-        device: torch.device) -> list:
-    """Trains the three models around `moes` (this rank's epflow.MoELayer of each block),
-    prints the results on rank 0 and returns the rules' failures (the same list on every
-    rank)."""
-    models = build_models(moes, teacher, args, world, device)
+        device: torch.device, moes_fp8: list | None = None) -> list:
+    """Trains the models around `moes` (this rank's epflow.MoELayer of each block; moes_fp8:
+    FP8 ones), prints the results on rank 0 and returns the rules' failures (the same list on
+    every rank)."""
+    models = build_models(moes, teacher, args, world, device, moes_fp8)
     losses, first_grads, step_ms = train(models, teacher, args.steps, args.tokens, args.lr,
                                          world, rank, device,
                                          log=lambda s: print(s, flush=True),
@@ -447,22 +494,32 @@ def run(args, moes: list, teacher: Teacher, rank: int, world: int,
     dist.all_gather_object(per_rank, summarize_gradients(rows))
     grad_failures = [f"rank {r} {b}" if world > 1 else b
                      for r, (_, bad) in enumerate(per_rank) for b in bad]
+    fp8_lines = [None] * world  # the FP8 model's first-step gradients, for information
+    if "epflow-fp8" in first_grads:
+        fp8_rows = gradient_errors(first_grads["epflow-fp8"], first_grads["pytorch"],
+                                   moe.intermediate, moe.ep_rank * moe.experts_per_rank,
+                                   len(moes))
+        dist.all_gather_object(fp8_lines, summarize_gradients(fp8_rows)[0])
     first, final = final_losses(losses, world)
     failed = check_rules(grad_failures, final)
 
     tps = {}
     if step_ms:
         warm = min(10, args.steps - 1)  # untimed: allocator and autotuning warm-up
-        for name in ("epflow", "pytorch"):
+        for name in [k for k in models if k != "linear"]:
             ms = sorted(step_ms[name][warm:])
             t = torch.tensor(ms[len(ms) // 2], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
             tps[name] = world * args.tokens / (t.item() * 1e-3)
+    floor = (fp8_rounding_floor(models, teacher, args.tokens, rank, world, device)
+             if "epflow-fp8" in models and device.type == "cuda" else None)
     if rank == 0:
         for r, (line, bad) in enumerate(per_rank):
             print(f"gradient check, step 0{f', rank {r}' if world > 1 else ''} (EPFlow's "
                   f"gradients against the PyTorch layer's, worst relative error per kind, per "
                   f"expert; tolerance {GRAD_TOL:g}): {line} -> {'OK' if not bad else 'MISMATCH'}")
+            if fp8_lines[r] is not None:
+                print(f"  the FP8 model's, for information (not judged): {fp8_lines[r]}")
         print(f"loss, step 0 -> mean of the last {TAIL} steps: " + ", ".join(
             f"{k} {first[k]:.5f} -> {final[k]:.5f}" for k in models))
         print(f"final loss / the linear model's: epflow {final['epflow'] / final['linear']:.3f}, "
@@ -470,10 +527,21 @@ def run(args, moes: list, teacher: Teacher, rank: int, world: int,
               f"{LEARN_RATIO:g}); epflow and pytorch "
               f"{100 * abs(final['epflow'] - final['pytorch']) / final['pytorch']:.2f}% apart "
               f"(rule 3: at most {100 * AGREE_TOL:g}%)")
+        if "epflow-fp8" in final:
+            print(f"fp8: final loss / the linear model's {final['epflow-fp8'] / final['linear']:.3f}"
+                  f"; {100 * abs(final['epflow-fp8'] - final['epflow']) / final['epflow']:.2f}% "
+                  f"from the bf16 EPFlow model's (rule 4: at most {100 * AGREE_TOL:g}%)")
+            if floor:
+                print(f"fp8: the bf16 EPFlow model's final weights through the FP8 layer: loss "
+                      f"{floor[1]:.5f} against {floor[0]:.5f} in bf16 "
+                      f"({100 * (floor[1] / floor[0] - 1):+.1f}%): what FP8's rounding alone "
+                      f"adds at this loss, training aside")
         if tps:
             print(f"tokens/s (median training step, {world} GPU{'s' if world > 1 else ''}): "
-                  f"epflow {tps['epflow']:.0f}, pytorch {tps['pytorch']:.0f} "
-                  f"({tps['epflow'] / tps['pytorch']:.2f}x)")
+                  + ", ".join(f"{k} {v:.0f}" for k, v in tps.items())
+                  + f" (epflow / pytorch {tps['epflow'] / tps['pytorch']:.2f}x"
+                  + (f", epflow-fp8 / epflow {tps['epflow-fp8'] / tps['epflow']:.2f}x"
+                     if "epflow-fp8" in tps else "") + ")")
         for line in failed:
             print(f"FAILED: {line}", flush=True)
         if not failed:
@@ -495,7 +563,12 @@ def main() -> int:
     # One handle serves every block (same shape); each forward keeps its own context.
     moes = [epflow.MoELayer(args.hidden, args.intermediate, args.experts, args.top_k,
                             args.tokens // args.micro_batches) for _ in range(args.blocks)]
-    failed = run(args, moes, teacher, rank, world, device)
+    moes_fp8 = None
+    if args.dtype == "fp8":  # the same weights (build_models copies them)
+        moes_fp8 = [epflow.MoELayer(args.hidden, args.intermediate, args.experts, args.top_k,
+                                    args.tokens // args.micro_batches, dtype="fp8")
+                    for _ in range(args.blocks)]
+    failed = run(args, moes, teacher, rank, world, device, moes_fp8)
     epflow.release_handles()
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -13,8 +13,10 @@ enum class DType {
   kBF16,
   // e4m3 with fp32 block scales (DeepSeek-V3's recipe): x rows quantized 1 x 128 by their owner
   // (and sent over NVLink so), weights 128 x 128 (ExpertWeights::fp8, quantize_expert_weights),
-  // h 1 x 128 in the SwiGLU epilogue; fp32 accumulation; bf16 combine. Forward only (inference):
-  // with_backward is refused. H and I multiples of 128.
+  // h 1 x 128 in the SwiGLU epilogue; fp32 accumulation; bf16 combine. Training (with_backward):
+  // dy and x quantized 1 x 128 by their owner, dhp and dx GEMMs in FP8 on the transposed
+  // weights ([dg | du] quantized 1 x 128 in the epilogue), weight gradients in bf16 on the
+  // dequantized rows (docs/design/fp8_backward.md). H and I multiples of 128.
   kFP8Blockwise,
   kMXFP8,  // e4m3 + one e8m0 scale per 32 values, wire/storage format (not implemented yet)
 };
@@ -59,6 +61,7 @@ struct LayerConfig {
   // Training: routed rows whose gate/up pre-activations a SavedContext keeps (rounded up to the
   // tile height; 0: balanced routing plus a margin, runtime_plan.h). The backward recomputes
   // the rest from the x rows, on the device: any routing works, one past it costs a GEMM.
+  // kFP8Blockwise keeps every row (its recompute would not reproduce the FP8 forward's g | u).
   int64_t saved_gate_up_rows = 0;
 
   // Every wait on another SM or GPU gives up after this long with a diagnostic.

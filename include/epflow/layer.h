@@ -27,7 +27,12 @@ namespace epflow {
 // bytes (OCP E4M3FN) in the same layouts, and one fp32 scale per 128 x 128 block, row-major over
 // the blocks: gate and up scales [E_local, I / 128, H / 128], down [E_local, H / 128, I / 128];
 // an element is its e4m3 value times its block's scale; all six pointers 16-byte aligned.
-// quantize_expert_weights makes them.
+// A training layer (LayerConfig::with_backward) also reads the same values transposed (its
+// backward's GEMMs contract over the other dimension, and e4m3 tensor-core operands must be
+// contiguous along it): gate_up_t [E_local, H, 2I] (W_gate^T's columns, then W_up^T's) and
+// down_t [E_local, I, H], with their blocks' scales transposed alike, gate_up_t_scales
+// [E_local, H / 128, 2I / 128] and down_t_scales [E_local, I / 128, H / 128].
+// quantize_expert_weights makes them all.
 struct Fp8ExpertWeights {
   const uint8_t* gate = nullptr;
   const uint8_t* up = nullptr;
@@ -35,6 +40,10 @@ struct Fp8ExpertWeights {
   const float* gate_scales = nullptr;
   const float* up_scales = nullptr;
   const float* down_scales = nullptr;
+  const uint8_t* gate_up_t = nullptr;  // training layers only
+  const uint8_t* down_t = nullptr;
+  const float* gate_up_t_scales = nullptr;
+  const float* down_t_scales = nullptr;
 };
 struct ExpertWeights {
   const __nv_bfloat16* gate = nullptr;
@@ -46,7 +55,8 @@ struct ExpertWeights {
   int64_t down_expert_stride = 0;
 };
 
-// Bytes of device memory quantize_expert_weights needs for one rank's experts of `config`.
+// Bytes of device memory quantize_expert_weights needs for one rank's experts of `config` (a
+// training config's include the transposed copies).
 int64_t fp8_expert_weights_bytes(const LayerConfig& config);
 // Quantizes this rank's bf16 expert weights 128 x 128 into `buffer` (device memory of at least
 // fp8_expert_weights_bytes bytes, 256-byte aligned) and points *out at them; stream-ordered, no

@@ -123,11 +123,11 @@ void forward_token_fp8(const LayerConfig& config, const Fp8Experts& experts, con
 // e4m3 operands where the FP8 backward's GEMMs read them (docs/design/fp8_backward.md): dy
 // quantized 1 x 128 once per token; dhp = Q(dy) Q(W_down) (K = H; the weights' 128 x 128 blocks
 // read transposed, their scales as they are), times w; the SwiGLU backward from g | u as the
-// training forward keeps them (bf16); dx = Q([dg | du]) Q([W_gate; W_up]) (K = 2I: the gate
-// blocks, then the up blocks); d w = <dhp, Q(h)>, h recomputed from the kept g | u and quantized
-// as the forward did. Weight gradients in the operands the forward's GEMMs read, summed in
-// double: d W_down += (w Q(dy))^T Q(h), d W_gate += dg^T Q(x), d W_up += du^T Q(x). Each GEMM
-// sums 128-deep blocks exactly and adds them in order, as forward_fp8.
+// training forward keeps them (bf16), dg and du rounded to bf16; dx = Q([dg | du]) Q([W_gate;
+// W_up]) (K = 2I: the gate blocks, then the up blocks); d w = <dhp, h>, h = silu(g) u recomputed
+// from the kept g | u and rounded to bf16. Weight gradients summed in double: d W_down +=
+// (w Q(dy))^T h, d W_gate += dg^T Q(x), d W_up += du^T Q(x). Each GEMM sums 128-deep blocks
+// exactly and adds them in order, as forward_fp8.
 Status backward_fp8(const LayerConfig& config, const std::vector<RankInput>& inputs,
                     const std::vector<RankExperts>& experts,
                     const std::vector<std::vector<float>>& dy, bool power_of_two_scales,

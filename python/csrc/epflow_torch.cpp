@@ -11,13 +11,15 @@
 //                               fp8_power_of_two_scales)
 //       one epflow::Layer of this shape on the workspace (with_backward:
 //       LayerConfig::with_backward, what training needs; dtype "bf16" or "fp8":
-//       LayerConfig::dtype, FP8 forward only). Layers of one shape share a handle (python/epflow);
+//       LayerConfig::dtype). Layers of one shape share a handle (python/epflow);
 //       every call of every handle on a workspace runs in stream order.
 //     .quantize_weights(w_gate, w_up, w_down) -> [gate, up, down, gate_scales, up_scales,
-//                                                 down_scales]
+//                                                 down_scales(, gate_up_t, down_t,
+//                                                 gate_up_t_scales, down_t_scales)]
 //       epflow::quantize_expert_weights of bf16 weights on the current stream (FP8 handles):
 //       e4m3 as uint8 in the weights' shapes, fp32 scales [E, I/128, H/128] (gate, up) and
-//       [E, H/128, I/128] (down), views of one new buffer.
+//       [E, H/128, I/128] (down), views of one new buffer; a with_backward handle's also the
+//       transposed copies its backward reads (Fp8ExpertWeights).
 //     .forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer,
 //                    weights_reversed) -> Context
 //       Layer::forward into the caller's y [T, H] bf16, keeping what its backward reads in
@@ -27,6 +29,9 @@
 //       expert's matrix contiguous, e.g. gate and up halves of a fused [E, 2I, H]), read in
 //       place; weights_reversed: their rows list the experts from the last to the first (memory
 //       order of a buffer that holds them in reverse, as Megatron-Core's DDP does).
+//     .forward_train_fp8(x, topk_idx, topk_weights, fp8_weights, y, buffer) -> Context
+//       the same for an FP8 handle, reading the weights quantize_weights returned (the caller
+//       keeps them alive until the context's backward, which reads them too).
 //     .backward(context, buffer, dy, x, topk_idx, topk_weights, w_gate, w_up, w_down)
 //         -> (dx, d_topk_weights, d_w_gate, d_w_up, d_w_down)
 //       Layer::backward of that context, given its buffer and its forward's inputs (the same
@@ -137,9 +142,6 @@ void check_config(int64_t world, int64_t hidden, int64_t intermediate, int64_t n
                    timeout_seconds, comm_sms, minibatch_rows, ring_rows, saved_gate_up_rows,
                    with_backward, dtype, fp8_power_of_two_scales);
   check_status(epflow::validate(c), "config");
-  if (c.dtype == epflow::DType::kFP8Blockwise && c.with_backward)
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "EPFlow: the fp8 layer's backward is not implemented yet: "
-                                "create it for inference (backward=False), or train in bf16");
 }
 
 std::vector<int64_t> memory_list(const epflow::MemoryReport& m) {
@@ -256,6 +258,10 @@ class Handle : public torch::CustomClassHolder {
                                             const at::Tensor& w_gate, const at::Tensor& w_up,
                                             const at::Tensor& w_down, at::Tensor y,
                                             at::Tensor buffer, bool weights_reversed);
+  c10::intrusive_ptr<Context> forward_train_fp8(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                const at::Tensor& topk_weights,
+                                                std::vector<at::Tensor> fp8_weights,
+                                                at::Tensor y, at::Tensor buffer);
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       const c10::intrusive_ptr<Context>& context, const at::Tensor& buffer, const at::Tensor& dy,
       const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
@@ -505,10 +511,45 @@ struct Fp8WeightShape {
 };
 std::vector<Fp8WeightShape> fp8_weight_shapes(const epflow::LayerConfig& c) {
   const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
-  return {{"gate", at::kByte, {E, I, H}},          {"up", at::kByte, {E, I, H}},
-          {"down", at::kByte, {E, H, I}},          {"gate_scales", at::kFloat, {E, I / 128, H / 128}},
-          {"up_scales", at::kFloat, {E, I / 128, H / 128}},
-          {"down_scales", at::kFloat, {E, H / 128, I / 128}}};
+  std::vector<Fp8WeightShape> shapes = {
+      {"gate", at::kByte, {E, I, H}},
+      {"up", at::kByte, {E, I, H}},
+      {"down", at::kByte, {E, H, I}},
+      {"gate_scales", at::kFloat, {E, I / 128, H / 128}},
+      {"up_scales", at::kFloat, {E, I / 128, H / 128}},
+      {"down_scales", at::kFloat, {E, H / 128, I / 128}}};
+  if (c.with_backward) {  // the transposed copies the backward reads
+    shapes.push_back({"gate_up_t", at::kByte, {E, H, 2 * I}});
+    shapes.push_back({"down_t", at::kByte, {E, I, H}});
+    shapes.push_back({"gate_up_t_scales", at::kFloat, {E, H / 128, 2 * I / 128}});
+    shapes.push_back({"down_t_scales", at::kFloat, {E, I / 128, H / 128}});
+  }
+  return shapes;
+}
+
+// The tensors quantize_weights returned as the layer's Fp8ExpertWeights, checked.
+epflow::Fp8ExpertWeights fp8_expert_weights(const epflow::LayerConfig& c,
+                                            at::TensorList fp8_weights, const at::Device& device,
+                                            const char* what) {
+  const auto shapes = fp8_weight_shapes(c);
+  TORCH_CHECK(fp8_weights.size() == shapes.size(), what, ": fp8_weights must be the ",
+              shapes.size(), " tensors Handle.quantize_weights returns, got ", fp8_weights.size());
+  for (size_t i = 0; i < shapes.size(); ++i)
+    check_tensor(fp8_weights[i], shapes[i].name, shapes[i].dtype, shapes[i].shape, device);
+  epflow::Fp8ExpertWeights w;
+  w.gate = fp8_weights[0].data_ptr<uint8_t>();
+  w.up = fp8_weights[1].data_ptr<uint8_t>();
+  w.down = fp8_weights[2].data_ptr<uint8_t>();
+  w.gate_scales = fp8_weights[3].data_ptr<float>();
+  w.up_scales = fp8_weights[4].data_ptr<float>();
+  w.down_scales = fp8_weights[5].data_ptr<float>();
+  if (c.with_backward) {
+    w.gate_up_t = fp8_weights[6].data_ptr<uint8_t>();
+    w.down_t = fp8_weights[7].data_ptr<uint8_t>();
+    w.gate_up_t_scales = fp8_weights[8].data_ptr<float>();
+    w.down_t_scales = fp8_weights[9].data_ptr<float>();
+  }
+  return w;
 }
 
 std::vector<at::Tensor> Handle::quantize_weights(const at::Tensor& w_gate, const at::Tensor& w_up,
@@ -525,7 +566,9 @@ std::vector<at::Tensor> Handle::quantize_weights(const at::Tensor& w_gate, const
                                                buffer.data_ptr(), bytes, &q,
                                                current_stream(device)),
                "quantize_expert_weights");
-  const void* parts[6] = {q.gate, q.up, q.down, q.gate_scales, q.up_scales, q.down_scales};
+  const void* parts[10] = {q.gate,      q.up,     q.down,           q.gate_scales,
+                           q.up_scales, q.down_scales, q.gate_up_t, q.down_t,
+                           q.gate_up_t_scales, q.down_t_scales};
   const auto shapes = fp8_weight_shapes(config_);
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -546,16 +589,9 @@ at::Tensor moe_forward_fp8(int64_t handle, const at::Tensor& x, const at::Tensor
               "epflow.moe_forward_fp8: the handle is not an fp8 layer (use moe_forward)");
   ForwardCall call = token_call(h, x, topk_idx, topk_weights, "epflow.moe_forward_fp8");
   const at::Device& device = call.device;
-  const auto shapes = fp8_weight_shapes(c);
-  TORCH_CHECK(fp8_weights.size() == shapes.size(), "epflow.moe_forward_fp8: fp8_weights must be "
-              "the 6 tensors Handle.quantize_weights returns, got ", fp8_weights.size());
-  for (size_t i = 0; i < shapes.size(); ++i)
-    check_tensor(fp8_weights[i], shapes[i].name, shapes[i].dtype, shapes[i].shape, device);
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   epflow::ForwardArgs& a = call.args;
-  a.weights.fp8 = {fp8_weights[0].data_ptr<uint8_t>(), fp8_weights[1].data_ptr<uint8_t>(),
-                   fp8_weights[2].data_ptr<uint8_t>(), fp8_weights[3].data_ptr<float>(),
-                   fp8_weights[4].data_ptr<float>(), fp8_weights[5].data_ptr<float>()};
+  a.weights.fp8 = fp8_expert_weights(c, fp8_weights, device, "epflow.moe_forward_fp8");
   a.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
   c10::cuda::CUDAGuard guard(device);
   check_status(h.layer().forward(a, current_stream(device), nullptr), "forward");
@@ -592,6 +628,31 @@ c10::intrusive_ptr<Context> Handle::forward_train(const at::Tensor& x,
   context->saved.buffer_bytes = buffer.numel();
   check_status(layer_->forward(call.args, current_stream(call.device), &context->saved),
                "forward");
+  return context;
+}
+
+c10::intrusive_ptr<Context> Handle::forward_train_fp8(const at::Tensor& x,
+                                                      const at::Tensor& topk_idx,
+                                                      const at::Tensor& topk_weights,
+                                                      std::vector<at::Tensor> fp8_weights,
+                                                      at::Tensor y, at::Tensor buffer) {
+  TORCH_CHECK(config_.with_backward && config_.dtype == epflow::DType::kFP8Blockwise,
+              "EPFlow forward_train_fp8: the handle is not an fp8 layer created with_backward");
+  ForwardCall call = token_call(*this, x, topk_idx, topk_weights, "EPFlow forward_train_fp8");
+  const at::Device& device = call.device;
+  call.args.weights.fp8 = fp8_expert_weights(config_, fp8_weights, device,
+                                             "EPFlow forward_train_fp8");
+  check_output(y, "y", at::kBFloat16, x.sizes(), device,
+               {{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}});
+  call.args.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
+  check_context_buffer(buffer, layer_->saved_context_bytes(), device);
+  check_output(buffer, "buffer", at::kByte, buffer.sizes(), device,
+               {{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}, {"y", &y}});
+  c10::cuda::CUDAGuard guard(device);
+  auto context = c10::make_intrusive<Context>();
+  context->saved.buffer = buffer.data_ptr();
+  context->saved.buffer_bytes = buffer.numel();
+  check_status(layer_->forward(call.args, current_stream(device), &context->saved), "forward");
   return context;
 }
 
@@ -646,7 +707,11 @@ void Handle::backward_out(const c10::intrusive_ptr<Context>& context, const at::
   saved.x = f.x;
   saved.topk_idx = f.topk_idx;
   saved.topk_weights = f.topk_weights;
+  // FP8: the e4m3 weights its forward read (the caller keeps them alive), and the bf16 ones'
+  // strides for the weight gradients' shapes.
+  const epflow::Fp8ExpertWeights fp8 = saved.weights.fp8;
   saved.weights = f.weights;
+  saved.weights.fp8 = fp8;
   c10::cuda::CUDAGuard guard(call.device);
   epflow::BackwardArgs b;
   b.dy = reinterpret_cast<const __nv_bfloat16*>(dy.data_ptr());
@@ -691,6 +756,7 @@ TORCH_LIBRARY(epflow, m) {
       .def("id", &Handle::id)
       .def("quantize_weights", &Handle::quantize_weights)
       .def("forward_train", &Handle::forward_train)
+      .def("forward_train_fp8", &Handle::forward_train_fp8)
       .def("backward", &Handle::backward)
       .def("backward_out", &Handle::backward_out)
       .def("device", &Handle::device)

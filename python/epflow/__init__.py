@@ -19,10 +19,12 @@ out=y)` writes into a caller's y instead (contiguous, 16-byte aligned, overlappi
 eager and CUDA graphs, no fake implementation for torch.compile). There is no fallback to another
 implementation.
 
-MoELayer(..., dtype="fp8", backward=False) runs the FP8 forward (e4m3 with DeepSeek-V3's 1x128 /
-128x128 block scales, for inference): it keeps its parameters in bf16 and quantizes them on the
-GPU (Handle.quantize_weights) at its first call and whenever a parameter changed since, then
-calls `torch.ops.epflow.moe_forward_fp8(handle_id, x, topk_idx, topk_weights, fp8_weights)`.
+MoELayer(..., dtype="fp8") runs in FP8 (e4m3 with DeepSeek-V3's 1x128 / 128x128 block scales):
+it keeps its parameters in bf16 and quantizes them on the GPU (Handle.quantize_weights) at its
+first call and whenever a parameter changed since (after each optimizer step); it trains through
+EPFlow's FP8 backward (dgrad GEMMs in FP8, weight gradients in bf16) like the bf16 layer, and
+without gradients calls `torch.ops.epflow.moe_forward_fp8(handle_id, x, topk_idx, topk_weights,
+fp8_weights)`.
 """
 import atexit
 import glob
@@ -193,11 +195,13 @@ atexit.register(release_handles)
 
 
 @torch.compiler.disable
-def _train_forward(handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, w_down):
+def _train_forward(handle, fuse_grads, fp8_weights, x, topk_idx, topk_weights, w_gate, w_up,
+                   w_down):
     # NOTES: outside torch.compile's graph (a graph break): the handle is a TorchScript class
     # object that dynamo does not trace through an autograd.Function; the layer's own work is
     # one stream-ordered GPU call either way.
-    return _MoEFunction.apply(handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, w_down)
+    return _MoEFunction.apply(handle, fuse_grads, fp8_weights, x, topk_idx, topk_weights, w_gate,
+                              w_up, w_down)
 
 
 def _grad_buffers(params):
@@ -223,14 +227,21 @@ class _MoEFunction(torch.autograd.Function):
     """EPFlow's forward keeping its context, and its GPU backward (bf16 weight gradients, like
     the parameters; fp32 d topk_weights). What the backward reads (the call's routing schedule
     and g | u) lives in a uint8 buffer saved like any activation: autograd frees it with the
-    graph, and activation checkpointing drops and recomputes it with the rest."""
+    graph, and activation checkpointing drops and recomputes it with the rest. fp8_weights (an
+    FP8 layer): the parameters quantized (Handle.quantize_weights), which forward and backward
+    read; the parameters' gradients are those of the bf16 weights (straight-through)."""
 
     @staticmethod
-    def forward(ctx, handle, fuse_grads, x, topk_idx, topk_weights, w_gate, w_up, w_down):
+    def forward(ctx, handle, fuse_grads, fp8_weights, x, topk_idx, topk_weights, w_gate, w_up,
+                w_down):
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
         buffer = torch.empty(handle.saved_context_bytes(), dtype=torch.uint8, device=x.device)
-        context = handle.forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y, buffer,
-                                       False)
+        if fp8_weights is None:
+            context = handle.forward_train(x, topk_idx, topk_weights, w_gate, w_up, w_down, y,
+                                           buffer, False)
+        else:
+            context = handle.forward_train_fp8(x, topk_idx, topk_weights, fp8_weights, y, buffer)
+        ctx.fp8_weights = fp8_weights  # alive until the backward, which reads them
         ctx.handle, ctx.context = handle, context
         ctx.params = (w_gate, w_up, w_down) if fuse_grads else None
         ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down, buffer)
@@ -243,14 +254,14 @@ class _MoEFunction(torch.autograd.Function):
         if ctx.params is None:
             dx, dw, dg, du, dd = ctx.handle.backward(ctx.context, buffer, dy.contiguous(), x,
                                                      topk_idx, topk_weights, *weights)
-            return None, None, dx, None, dw, dg, du, dd
+            return None, None, None, dx, None, dw, dg, du, dd
         # Gradient accumulation fusion: the weight gradients added in place by the kernels.
         targets, accumulate = _grad_buffers(ctx.params)
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         dw = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)
         ctx.handle.backward_out(ctx.context, buffer, dy.contiguous(), x, topk_idx, topk_weights,
                                 *weights, dx, dw, *targets, accumulate, False, False)
-        return None, None, dx, None, dw, None, None, None
+        return None, None, None, dx, None, dw, None, None, None
 
 
 class MoELayer(nn.Module):
@@ -281,9 +292,10 @@ class MoELayer(nn.Module):
     rest on the GPU, so any routing works and one past the bound costs a GEMM. backward=False:
     inference only.
 
-    dtype="fp8" (with backward=False): the FP8 forward, for inference; the bf16 parameters are
-    quantized on the GPU (e4m3, 128x128 block scales; activations 1x128) at the first call and
-    after any change to them (their version counters), so a model can update them and run on.
+    dtype="fp8": the FP8 layer, forward and backward; the bf16 parameters are quantized on the
+    GPU (e4m3, 128x128 block scales; activations 1x128) at the first call and after any change to
+    them (their version counters), so a model can update them and run on; their gradients are
+    the bf16 weights' (straight-through).
     fp8_power_of_two_scales: the activations' scales are powers of two.
 
     grad_accumulation_fusion=True: the backward adds the expert weights' gradients in place, into
@@ -300,10 +312,6 @@ class MoELayer(nn.Module):
         super().__init__()
         if dtype not in ("bf16", "fp8"):
             raise ValueError(f"epflow: dtype must be 'bf16' or 'fp8', got {dtype!r}")
-        if dtype == "fp8" and backward:
-            raise NotImplementedError("epflow: the fp8 MoELayer's backward is not implemented "
-                                      "yet: create it with backward=False (inference), or train "
-                                      "in bf16")
         self._key, handle = create_handle(
             hidden, intermediate, num_experts, top_k, max_tokens_per_rank, group=group,
             device=device, timeout_seconds=timeout_seconds, comm_sms=comm_sms,
@@ -347,16 +355,16 @@ class MoELayer(nn.Module):
         idx = topk_idx.reshape(-1, self.top_k).to(torch.int32).contiguous()
         w = topk_weights.reshape(-1, self.top_k).to(torch.float32).contiguous()
         params = (self.w_gate, self.w_up, self.w_down)
-        if self.dtype == "fp8":
-            y = torch.ops.epflow.moe_forward_fp8(self._handle_id, x2, idx, w, self._fp8_weights())
-            return y.reshape(*lead, self.hidden)
+        fp8 = self._fp8_weights() if self.dtype == "fp8" else None
         if self._backward and torch.is_grad_enabled() and any(
                 t.requires_grad for t in (x2, w) + params):
             handle = _HANDLES.get(self._key)
             if handle is None:
                 raise RuntimeError("epflow: this MoELayer's handle was released "
                                    "(epflow.release_handles())")
-            y = _train_forward(handle, self._fuse_grads, x2, idx, w, *params)
+            y = _train_forward(handle, self._fuse_grads, fp8, x2, idx, w, *params)
+        elif fp8 is not None:
+            y = torch.ops.epflow.moe_forward_fp8(self._handle_id, x2, idx, w, fp8)
         else:
             y = torch.ops.epflow.moe_forward(self._handle_id, x2, idx, w, *params)
         return y.reshape(*lead, self.hidden)

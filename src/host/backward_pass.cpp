@@ -7,6 +7,7 @@
 #include "host/saved_activations.h"
 #include "host/layer_workspace.h"
 #include "kernels/expert_wgrad.cuh"
+#include "kernels/fp8_quantize.cuh"
 #include "kernels/gate_up_recompute.cuh"
 
 namespace epflow {
@@ -93,8 +94,20 @@ Status weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
     wg.dw_expert_stride = dw_expert_stride;
     return kernels::launch_expert_wgrad(wg, stream);
   };
-  EPFLOW_CUDA_RETURN(wgrad(b.ring.x, H, H, b.wh, I, args.d_down, args.d_down_expert_stride));
+  // FP8: the weight gradients read the pulled dy and x rows dequantized (Q(dy), Q(x): the
+  // operands the FP8 GEMMs read) into the x buffer in turn; [dg | du] are DhSink's bf16 values.
+  const bool fp8 = ws.config.dtype == DType::kFP8Blockwise;
+  const int64_t* table_rows = acts.schedule.seg_offset + ws.config.experts_per_rank();
+  auto dequantize = [&](const uint8_t* packed) {
+    return kernels::launch_dequantize_rows_1x128(packed, ws.max_rows, table_rows, H, b.x,
+                                                 4 * ws.sm_count, stream);
+  };
+  if (fp8)
+    EPFLOW_CUDA_RETURN(dequantize(reinterpret_cast<const uint8_t*>(b.ring.x)));
+  EPFLOW_CUDA_RETURN(
+      wgrad(fp8 ? b.x : b.ring.x, H, H, b.wh, I, args.d_down, args.d_down_expert_stride));
   if (x_rows_in) EPFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream, x_rows_in, 0));
+  if (fp8) EPFLOW_CUDA_RETURN(dequantize(b.x_fp8));
   EPFLOW_CUDA_RETURN(wgrad(b.ring.h, I, 2 * I, b.x, H, args.d_gate, args.d_gate_expert_stride));
   EPFLOW_CUDA_RETURN(wgrad(b.ring.h + I, I, 2 * I, b.x, H, args.d_up, args.d_up_expert_stride));
   return Status::ok_status();
@@ -130,6 +143,11 @@ Status FusedBackward::run(LayerWorkspace& ws, const SavedActivations& acts,
   m.dw_partial = b.dw_partial;
   m.x_pull_offset = ws.layout.x;
   m.x_out = b.x;
+  if (m.fp8) {  // packed rows into the GEMMs and for the weight gradients; bf16 [dg | du] too
+    m.ring_h = reinterpret_cast<__nv_bfloat16*>(b.dgu_fp8);
+    m.dgu_out = b.ring.h;
+    m.x_out = b.x_fp8;
+  }
   EPFLOW_CUDA_RETURN(kernels::launch_backward_megakernel(m, ws.sm_count, stream));
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
   EPFLOW_RETURN_IF_ERROR(push_router_weight_grads(ws, acts, stream));

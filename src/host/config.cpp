@@ -73,6 +73,12 @@ Status validate(const LayerConfig& c) {
                             ") and intermediate (", c.intermediate, ") up to ",
                             kFp8Block * fp8::kMaxKBlocks,
                             " (a GEMM tile's weight scales are kept in shared memory)");
+  if (c.dtype == DType::kFP8Blockwise && c.with_backward &&
+      2 * c.intermediate > kFp8Block * fp8::kMaxKBlocks)
+    return invalid_argument("a training fp8-blockwise layer supports intermediate (",
+                            c.intermediate, ") up to ", kFp8Block * fp8::kMaxKBlocks / 2 / 128 * 128,
+                            " (its dx GEMM's K is 2 * intermediate, whose weight scales a tile "
+                            "keeps in shared memory)");
   if (c.comm_sms < 0)
     return invalid_argument("comm_sms (", c.comm_sms, ") must be >= 0 (0 = auto)");
   if (c.minibatch_rows < 0)

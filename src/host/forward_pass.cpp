@@ -39,6 +39,10 @@ kernels::MegakernelArgs megakernel_args(const LayerWorkspace& ws, const SavedAct
     m.w_gate_scales = w.fp8.gate_scales;
     m.w_up_scales = w.fp8.up_scales;
     m.w_down_scales = w.fp8.down_scales;
+    m.w_gate_up_t_fp8 = w.fp8.gate_up_t;  // training layers' (the backward reads them)
+    m.w_down_t_fp8 = w.fp8.down_t;
+    m.w_gate_up_t_scales = w.fp8.gate_up_t_scales;
+    m.w_down_t_scales = w.fp8.down_t_scales;
   }
   m.rank = c.ep_rank;
   m.timeout_ns = static_cast<int64_t>(c.timeout_seconds * 1e9);

@@ -68,6 +68,20 @@ Status validate(const LayerConfig& c, const ForwardArgs& a) {
       EPFLOW_RETURN_IF_ERROR(require(reinterpret_cast<uintptr_t>(p) % 16 == 0,
                                      "ExpertWeights::fp8's weights and scales must be 16-byte "
                                      "aligned (TMA reads them)"));
+    if (c.with_backward) {
+      EPFLOW_RETURN_IF_ERROR(require(
+          w.gate_up_t && w.down_t && w.gate_up_t_scales && w.down_t_scales,
+          "a training fp8-blockwise layer's backward also reads the transposed weights "
+          "(ExpertWeights::fp8's gate_up_t, down_t and their scales): quantize the weights with "
+          "the training config (quantize_expert_weights)"));
+      for (const void* p :
+           {static_cast<const void*>(w.gate_up_t), static_cast<const void*>(w.down_t),
+            static_cast<const void*>(w.gate_up_t_scales),
+            static_cast<const void*>(w.down_t_scales)})
+        EPFLOW_RETURN_IF_ERROR(require(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                                       "ExpertWeights::fp8's transposed weights and scales must "
+                                       "be 16-byte aligned (TMA reads them)"));
+    }
     return Status::ok_status();
   }
   return check_bf16_expert_weights(c, a.weights);
@@ -75,27 +89,33 @@ Status validate(const LayerConfig& c, const ForwardArgs& a) {
 
 namespace {
 
-// quantize_expert_weights' buffer: the three e4m3 matrices, then their scales, each region
-// 256-byte aligned. offsets[i]: start of region i (gate, up, down, their scales); [6]: the end.
-void fp8_weight_regions(const LayerConfig& c, int64_t offsets[7]) {
+// quantize_expert_weights' buffer: the three e4m3 matrices, their scales, then (training
+// configs) the transposed copies gate_up_t and down_t and their scales, each region 256-byte
+// aligned. offsets[i]: start of region i; [kFp8Regions]: the end.
+enum Fp8Region { kGate, kUp, kDown, kGateScales, kUpScales, kDownScales, kGateUpT, kDownT,
+                 kGateUpTScales, kDownTScales, kFp8Regions };
+void fp8_weight_regions(const LayerConfig& c, int64_t offsets[kFp8Regions + 1]) {
   const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
   const int64_t hb = (H + 127) / 128, ib = (I + 127) / 128;
-  const int64_t sizes[6] = {E * I * H, E * I * H, E * H * I, E * ib * hb * 4, E * ib * hb * 4,
-                            E * hb * ib * 4};
+  const int64_t t = c.with_backward ? 1 : 0;
+  const int64_t sizes[kFp8Regions] = {E * I * H,           E * I * H,      E * H * I,
+                                      E * ib * hb * 4,     E * ib * hb * 4, E * hb * ib * 4,
+                                      t * E * H * 2 * I,   t * E * I * H,  t * E * hb * 2 * ib * 4,
+                                      t * E * ib * hb * 4};
   int64_t at = 0;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < kFp8Regions; ++i) {
     offsets[i] = at;
     at += (sizes[i] + 255) / 256 * 256;
   }
-  offsets[6] = at;
+  offsets[kFp8Regions] = at;
 }
 
 }  // namespace
 
 int64_t fp8_expert_weights_bytes(const LayerConfig& config) {
-  int64_t offsets[7];
+  int64_t offsets[kFp8Regions + 1];
   fp8_weight_regions(config, offsets);
-  return offsets[6];
+  return offsets[kFp8Regions];
 }
 
 Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, bool pow2,
@@ -104,24 +124,50 @@ Status quantize_expert_weights(const LayerConfig& c, const ExpertWeights& w, boo
   EPFLOW_RETURN_IF_ERROR(validate(c));
   EPFLOW_RETURN_IF_ERROR(require(out != nullptr, "output pointer is null"));
   EPFLOW_RETURN_IF_ERROR(check_bf16_expert_weights(c, w));
-  int64_t at[7];
+  int64_t at[kFp8Regions + 1];
   fp8_weight_regions(c, at);
-  if (buffer == nullptr || buffer_bytes < at[6])
-    return invalid_argument("the FP8 weights' buffer must be device memory of at least ", at[6],
-                            " bytes (fp8_expert_weights_bytes), got ", buffer_bytes,
-                            buffer ? "" : " (null)");
+  if (buffer == nullptr || buffer_bytes < at[kFp8Regions])
+    return invalid_argument("the FP8 weights' buffer must be device memory of at least ",
+                            at[kFp8Regions], " bytes (fp8_expert_weights_bytes), got ",
+                            buffer_bytes, buffer ? "" : " (null)");
   EPFLOW_RETURN_IF_ERROR(require(reinterpret_cast<uintptr_t>(buffer) % 256 == 0,
                                  "the FP8 weights' buffer must be 256-byte aligned"));
   auto* base = static_cast<uint8_t*>(buffer);
   const int64_t E = c.experts_per_rank(), H = c.hidden, I = c.intermediate;
+  const int64_t hb = (H + 127) / 128, ib = (I + 127) / 128;
   auto scales = [&](int i) { return reinterpret_cast<float*>(base + at[i]); };
-  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
-      w.gate, E, I, H, pow2, base + at[0], scales(3), stream, w.gate_expert_stride));
-  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
-      w.up, E, I, H, pow2, base + at[1], scales(4), stream, w.up_expert_stride));
-  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(
-      w.down, E, H, I, pow2, base + at[2], scales(5), stream, w.down_expert_stride));
-  *out = Fp8ExpertWeights{base + at[0], base + at[1], base + at[2], scales(3), scales(4), scales(5)};
+  // Training: W_gate^T and W_up^T side by side in gate_up_t (rows of 2I), W_down^T in down_t.
+  kernels::TransposedCopy gate_t, up_t, down_t;
+  if (c.with_backward) {
+    gate_t = {base + at[kGateUpT], 2 * I, H * 2 * I, scales(kGateUpTScales), 2 * ib, hb * 2 * ib};
+    up_t = gate_t;
+    up_t.q += I;
+    up_t.scales += ib;
+    down_t = {base + at[kDownT], H, I * H, scales(kDownTScales), hb, ib * hb};
+  }
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.gate, E, I, H, pow2,
+                                                             base + at[kGate], scales(kGateScales),
+                                                             stream, w.gate_expert_stride, gate_t));
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.up, E, I, H, pow2, base + at[kUp],
+                                                             scales(kUpScales), stream,
+                                                             w.up_expert_stride, up_t));
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_blocks_128x128(w.down, E, H, I, pow2,
+                                                             base + at[kDown], scales(kDownScales),
+                                                             stream, w.down_expert_stride, down_t));
+  Fp8ExpertWeights q;
+  q.gate = base + at[kGate];
+  q.up = base + at[kUp];
+  q.down = base + at[kDown];
+  q.gate_scales = scales(kGateScales);
+  q.up_scales = scales(kUpScales);
+  q.down_scales = scales(kDownScales);
+  if (c.with_backward) {
+    q.gate_up_t = gate_t.q;
+    q.down_t = down_t.q;
+    q.gate_up_t_scales = gate_t.scales;
+    q.down_t_scales = down_t.scales;
+  }
+  *out = q;
   return Status::ok_status();
 }
 

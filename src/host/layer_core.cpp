@@ -22,10 +22,6 @@ Status check_supported(const LayerConfig& config) {
   if (config.dtype == DType::kMXFP8)
     return error_status(StatusCode::kNotImplemented, "dtype ", to_string(config.dtype),
                         " is not implemented yet: bf16 and fp8-blockwise are");
-  if (config.dtype == DType::kFP8Blockwise && config.with_backward)
-    return error_status(StatusCode::kNotImplemented,
-                        "the fp8-blockwise layer's backward is not implemented yet: its forward "
-                        "runs for inference (with_backward = false); train in bf16");
   return Status::ok_status();
 }
 
@@ -164,6 +160,24 @@ Status LayerCore::backward(const BackwardArgs& args, const SavedContext& saved,
   return ws_->routing_report();
 }
 
+// Token rows [T, H] (x or dy) into this rank's window for peers to pull: bf16 as they are, or
+// (FP8) quantized once, by their owner, into packed rows that peers pull as they are.
+Status LayerCore::rows_into_window(const __nv_bfloat16* rows, int64_t T, char* dst,
+                                   cudaStream_t stream) const {
+  const LayerConfig& c = config();
+  if (c.dtype != DType::kFP8Blockwise) {
+    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(dst, rows, sizeof(__nv_bfloat16) * T * c.hidden,
+                                       cudaMemcpyDeviceToDevice, stream));
+    return Status::ok_status();
+  }
+  uint8_t* packed = reinterpret_cast<uint8_t*>(dst);
+  const int64_t row_bytes = fp8::packed_row_bytes(c.hidden);
+  EPFLOW_CUDA_RETURN(kernels::launch_quantize_rows_1x128(
+      rows, T, c.hidden, c.fp8_power_of_two_scales, packed,
+      reinterpret_cast<float*>(packed + c.hidden), stream, row_bytes, row_bytes / 4));
+  return Status::ok_status();
+}
+
 // Stages: this rank's tokens and expert ids into its window, the barrier that publishes them and
 // gathers every rank's T, the schedule of this rank's experts | the executor (dispatch, expert
 // FFN) | the barrier and the weighted sum.
@@ -175,18 +189,7 @@ Status LayerCore::run_forward(const ForwardArgs& a, cudaStream_t stream, SavedCo
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
   char* mine = ws_->local_window();
   if (T > 0) {
-    if (c.dtype == DType::kFP8Blockwise) {
-      // Quantized once, by the owner, into packed rows that peers pull as they are.
-      uint8_t* rows = reinterpret_cast<uint8_t*>(mine + ws_->layout.x);
-      const int64_t row_bytes = fp8::packed_row_bytes(c.hidden);
-      EPFLOW_CUDA_RETURN(kernels::launch_quantize_rows_1x128(
-          a.x, T, c.hidden, c.fp8_power_of_two_scales, rows,
-          reinterpret_cast<float*>(rows + c.hidden), stream, row_bytes, row_bytes / 4));
-    } else {
-      EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + ws_->layout.x, a.x,
-                                         sizeof(__nv_bfloat16) * T * c.hidden,
-                                         cudaMemcpyDeviceToDevice, stream));
-    }
+    EPFLOW_RETURN_IF_ERROR(rows_into_window(a.x, T, mine + ws_->layout.x, stream));
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + ws_->layout.topk_idx, a.topk_idx,
                                        sizeof(int32_t) * T * c.top_k, cudaMemcpyDeviceToDevice,
                                        stream));
@@ -227,13 +230,11 @@ Status LayerCore::run_backward(const BackwardArgs& a, const SavedContext& saved,
   char* mine = ws_->local_window();
   const kernels::WindowLayout& l = ws_->layout;
   if (T > 0) {
-    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + l.x, saved.x, sizeof(__nv_bfloat16) * T * c.hidden,
-                                       cudaMemcpyDeviceToDevice, stream));
+    EPFLOW_RETURN_IF_ERROR(rows_into_window(saved.x, T, mine + l.x, stream));
     EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + l.topk_weights, saved.topk_weights,
                                        sizeof(float) * T * c.top_k, cudaMemcpyDeviceToDevice,
                                        stream));
-    EPFLOW_CUDA_RETURN(cudaMemcpyAsync(mine + l.dy, a.dy, sizeof(__nv_bfloat16) * T * c.hidden,
-                                       cudaMemcpyDeviceToDevice, stream));
+    EPFLOW_RETURN_IF_ERROR(rows_into_window(a.dy, T, mine + l.dy, stream));
     // The d topk_weights slots the experts' GPUs write; empty slots stay 0.
     EPFLOW_CUDA_RETURN(cudaMemsetAsync(mine + l.d_weights, 0, sizeof(float) * T * c.top_k, stream));
   }

@@ -67,6 +67,8 @@ class LayerCore {
   Status run_backward(const BackwardArgs& args, const SavedContext& saved, cudaStream_t stream,
                       PassHooks* hooks);
 
+  Status rows_into_window(const __nv_bfloat16* rows, int64_t T, char* dst,
+                          cudaStream_t stream) const;
   // Before a call: the view's pointers (a later layer may have grown the shared memory) and
   // the call ordered behind the workspace's previous one.
   Status begin_call(cudaStream_t stream);

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/fp8_blocks.h"
 #include "common/routing_schedule.h"
 #include "common/status_util.h"
 #include "common/tile.h"
@@ -93,6 +94,10 @@ Status LayerWorkspace::create(const LayerConfig& config, std::shared_ptr<SharedW
     b.ring.rows = sched::round_up(ws->max_rows, ws->plan.minibatch_rows);
     const int64_t H = c.hidden, I = c.intermediate, rows = b.ring.rows;
     ws->backward_rows_bytes_ = sizeof(__nv_bfloat16) * rows * (2 * H + 3 * I);
+    if (c.dtype == DType::kFP8Blockwise)  // the packed x and [dg | du] rows
+      ws->backward_rows_bytes_ +=
+          rows * (fp8::packed_row_bytes(H) + fp8::packed_row_bytes(2 * I));
+    ws->backward_rows_bytes_ = aligned(ws->backward_rows_bytes_);
     ws->backward_partial_bytes_ = aligned(sizeof(float) * rows * kernels::backward_dh_tiles(I));
     b.ring.counter_bytes =
         kernels::megakernel_counter_bytes(static_cast<int32_t>(rows / kTileRows), ws->sm_count);
@@ -136,6 +141,10 @@ void LayerWorkspace::carve() {
     for (auto [buf, cols] : {std::pair{&b.x, H}, {&b.ring.x, H}, {&b.wh, I}, {&b.ring.h, 2 * I}}) {
       *buf = q;
       q += rows * cols;
+    }
+    if (config.dtype == DType::kFP8Blockwise) {
+      b.x_fp8 = reinterpret_cast<uint8_t*>(q);
+      b.dgu_fp8 = b.x_fp8 + rows * fp8::packed_row_bytes(H);
     }
     char* base = s.backward();
     b.dw_partial = reinterpret_cast<float*>(base + backward_rows_bytes_);

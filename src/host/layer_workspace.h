@@ -45,6 +45,11 @@ struct BackwardRows {
   // [max_rows - plan.saved_gate_up_rows, 2I]: g | u of the rows past what contexts keep,
   // recomputed by each backward (null when contexts keep every row).
   __nv_bfloat16* gate_up_overflow = nullptr;
+  // FP8 only: the pulled x rows and the [dg | du] rows the dx GEMM reads, as packed rows
+  // ([rows, fp8::packed_row_bytes(H)], [rows, packed_row_bytes(2I)]); ring.x then holds the
+  // packed dy rows, and ring.h and x the bf16 operands of the weight gradients.
+  uint8_t* x_fp8 = nullptr;
+  uint8_t* dgu_fp8 = nullptr;
 };
 
 struct LayerWorkspace {

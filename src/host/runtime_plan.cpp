@@ -77,8 +77,11 @@ Status make_plan(const LayerConfig& c, int32_t sm_count, LayerPlan* plan) {
   p.ring_bytes = p.ring_rows * (c.hidden + c.intermediate) * 2;
   p.backward_comm_sms = std::min(default_backward_comm_sms(c, sm_count), sm_count - 1);
   const int64_t table_rows = sched::round_up(p.max_routed_rows, p.tile.m);
+  // NOTES: an FP8 layer's contexts keep every row's g | u: the backward's recompute of the rows
+  // past the bound is a bf16 GEMM, whose g | u would not be the FP8 forward's.
   p.saved_gate_up_rows =
-      c.saved_gate_up_rows > 0
+      c.dtype == DType::kFP8Blockwise ? table_rows
+      : c.saved_gate_up_rows > 0
           ? std::min(sched::round_up(c.saved_gate_up_rows, p.tile.m), table_rows)
           : default_saved_gate_up_rows(c, table_rows);
   *plan = p;

@@ -94,9 +94,40 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// The block's e4m3 bytes, staged for the transposed copy: rows padded so that the column reads
+// of the transposed writes spread over the banks.
+constexpr int kTileStride = fp8::kBlock + 4;
+
+// Block (rb, cb)'s bytes from `tile` into its transposed place in t (matrix `matrix`): thread t
+// writes 16-byte chunks of the transposed block's rows (8 per row, a warp four whole rows), or
+// bytes where the block is partial or the rows are not 16-byte aligned.
+__device__ void store_transposed(const uint8_t (*tile)[kTileStride], const TransposedCopy& t,
+                                 int64_t matrix, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+  uint8_t* base = t.q + matrix * t.matrix_stride;
+  const bool chunks = nr == fp8::kBlock && t.ld % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(base) % 16 == 0;
+  for (int id = threadIdx.x; id < fp8::kBlock * 8; id += kBlockThreads) {
+    const int oc = id / 8, ch = id % 8;
+    if (oc >= nc) continue;
+    uint8_t* dst = base + (c0 + oc) * t.ld + r0 + ch * 16;
+    if (chunks) {
+      uint32_t word[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        word[i] = uint32_t{tile[ch * 16 + 4 * i][oc]} |
+                  uint32_t{tile[ch * 16 + 4 * i + 1][oc]} << 8 |
+                  uint32_t{tile[ch * 16 + 4 * i + 2][oc]} << 16 |
+                  uint32_t{tile[ch * 16 + 4 * i + 3][oc]} << 24;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(word[0], word[1], word[2], word[3]);
+    } else {
+      for (int r = ch * 16; r < ch * 16 + 16 && r < nr; ++r) dst[r - ch * 16] = tile[r][oc];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kBlockThreads)
     quantize_blocks_kernel(const __nv_bfloat16* w, int64_t w_stride, int64_t rows, int64_t cols,
-                           bool pow2, uint8_t* q, float* scales) {
+                           bool pow2, uint8_t* q, float* scales, TransposedCopy qt) {
   const int64_t row_blocks = (rows + fp8::kBlock - 1) / fp8::kBlock;
   const int64_t col_blocks = (cols + fp8::kBlock - 1) / fp8::kBlock;
   const int64_t matrix = blockIdx.z, rb = blockIdx.y, cb = blockIdx.x;
@@ -105,6 +136,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t nc = cols - c0 < fp8::kBlock ? cols - c0 : fp8::kBlock;
   const __nv_bfloat16* src = w + matrix * w_stride;
   uint8_t* dst = q + matrix * rows * cols;
+  __shared__ uint8_t tile[fp8::kBlock][kTileStride];  // for qt only
   // Whole 128-column blocks of aligned rows: thread t holds 8 columns c0 + 8 (t % 16) .. + 7 of
   // rows t / 16, + 16, ... in registers (16-byte loads, one pass over memory). Otherwise thread
   // t reads column c0 + t % 128 of rows t / 128, + 2, ... twice (amax, then the values).
@@ -145,16 +177,58 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int p = 0; p < kVecPasses; ++p) {
       const int64_t r = vfirst + kVecRowStep * p;
       if (r >= nr) continue;
-      *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) =
+      const uint2 bytes =
           make_uint2(fp8::quantize_quad(v[p], scale), fp8::quantize_quad(v[p] + 4, scale));
+      *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) = bytes;
+      if (qt.q)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          tile[r][vcol + i] = static_cast<uint8_t>((i < 4 ? bytes.x : bytes.y) >> (8 * (i % 4)));
     }
   } else if (col < nc) {
     for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock) {
       const int64_t at = (r0 + r) * cols + c0 + col;
       dst[at] = fp8::quantize(__bfloat162float(src[at]), scale);
+      if (qt.q) tile[r][col] = dst[at];
     }
   }
-  if (threadIdx.x == 0) scales[(matrix * row_blocks + rb) * col_blocks + cb] = scale;
+  if (threadIdx.x == 0) {
+    scales[(matrix * row_blocks + rb) * col_blocks + cb] = scale;
+    if (qt.q) qt.scales[matrix * qt.scale_matrix_stride + cb * qt.scale_ld + rb] = scale;
+  }
+  if (qt.q) {
+    __syncthreads();
+    store_transposed(tile, qt, matrix, r0, c0, nr, nc);
+  }
+}
+
+// Packed rows back to bf16: thread t of the grid-stride loop turns 16 e4m3 bytes of a row
+// (a 16-byte load) into 16 bf16 values (two 16-byte stores) with their block's scale.
+__global__ void __launch_bounds__(kRowThreads)
+    dequantize_rows_kernel(const uint8_t* packed, int64_t row_bytes, const int64_t* rows_on_device,
+                           int64_t cols, __nv_bfloat16* out) {
+  const int64_t chunks = cols / 16, total = *rows_on_device * chunks;
+  for (int64_t i = int64_t{blockIdx.x} * kRowThreads + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * kRowThreads) {
+    const int64_t row = i / chunks, col = i % chunks * 16;
+    const uint8_t* src = packed + row * row_bytes;
+    const uint4 q = *reinterpret_cast<const uint4*>(src + col);
+    const float scale = reinterpret_cast<const float*>(src + cols)[col / fp8::kBlock];
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    uint32_t pairs[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v0 = fp8::to_float(static_cast<uint8_t>(words[w] >> (16 * h))) * scale;
+        const float v1 = fp8::to_float(static_cast<uint8_t>(words[w] >> (16 * h + 8))) * scale;
+        const __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+        pairs[2 * w + h] = *reinterpret_cast<const uint32_t*>(&b);
+      }
+    uint4* dst = reinterpret_cast<uint4*>(out + row * cols + col);
+    dst[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    dst[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+  }
 }
 
 }  // namespace
@@ -188,18 +262,36 @@ cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int
 
 cudaError_t launch_quantize_blocks_128x128(const __nv_bfloat16* w, int64_t matrices, int64_t rows,
                                            int64_t cols, bool pow2, uint8_t* q, float* scales,
-                                           cudaStream_t stream, int64_t w_stride) {
+                                           cudaStream_t stream, int64_t w_stride,
+                                           const TransposedCopy& qt) {
   if (w_stride == 0) w_stride = rows * cols;
   if (matrices < 0 || rows <= 0 || cols <= 0 || matrices > 65535 ||
       (w_stride < 0 ? -w_stride : w_stride) < rows * cols || w_stride % 8 != 0 ||
-      (matrices > 0 && (!w || !q || !scales)))
+      (matrices > 0 && (!w || !q || !scales)) ||
+      (qt.q && (!qt.scales || qt.ld < rows || qt.matrix_stride < cols * qt.ld ||
+                qt.scale_ld < (rows + fp8::kBlock - 1) / fp8::kBlock)))
     return cudaErrorInvalidValue;
   if (matrices == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((cols + fp8::kBlock - 1) / fp8::kBlock),
                   static_cast<unsigned>((rows + fp8::kBlock - 1) / fp8::kBlock),
                   static_cast<unsigned>(matrices));
   quantize_blocks_kernel<<<grid, kBlockThreads, 0, stream>>>(w, w_stride, rows, cols, pow2, q,
-                                                             scales);
+                                                             scales, qt);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_dequantize_rows_1x128(const uint8_t* packed, int64_t max_rows,
+                                         const int64_t* rows_on_device, int64_t cols,
+                                         __nv_bfloat16* out, int32_t ctas, cudaStream_t stream) {
+  if (max_rows < 0 || cols <= 0 || cols % fp8::kBlock != 0 || ctas <= 0 ||
+      (max_rows > 0 && (!packed || !rows_on_device || !out)) ||
+      reinterpret_cast<uintptr_t>(packed) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
+    return cudaErrorInvalidValue;
+  if (max_rows == 0) return cudaSuccess;
+  const int64_t needed = (max_rows * (cols / 16) + kRowThreads - 1) / kRowThreads;
+  dequantize_rows_kernel<<<static_cast<unsigned>(needed < ctas ? needed : ctas), kRowThreads, 0,
+                           stream>>>(packed, fp8::packed_row_bytes(cols), rows_on_device, cols,
+                                     out);
   return cudaGetLastError();
 }
 

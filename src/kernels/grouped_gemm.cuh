@@ -271,6 +271,9 @@ __device__ __forceinline__ uint32_t bf16_pair(float v0, float v1) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+__device__ __forceinline__ float2 bf16_pair_to_float2(uint32_t pair) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+}
 
 // Tile t of the walk: bands of kGroupM row tiles; inside a band, row tiles vary fastest, so the
 // CTAs running at once share weight tiles (same expert, same n) through L2.
@@ -671,7 +674,10 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     if constexpr (kEpi == Epilogue::kSwiGLU && kOp == Operands::kFP8) {
       // h = silu(g) * u in place of g; a row's 128 columns of h are one 1 x 128 block, spread
       // over the four lanes of a quad: its amax by two shuffles, then e4m3 bytes into the
-      // 128B-swizzled staging (one box of 128 columns) and the scale to the sink.
+      // 128B-swizzled staging (one box of 128 columns) and the scale to the sink. A sink that
+      // keeps the pre-activations for the backward gets them first, as in bf16.
+      if constexpr (requires { sink.keep_gate_up(acc, c, wg, tid); })
+        sink.keep_gate_up(acc, c, wg, tid);
       constexpr int kUp = kTileCols / 2 / 8 * 4;
       float amax[2] = {0.0f, 0.0f};
 #pragma unroll

@@ -108,6 +108,15 @@ struct MegakernelArgs {
   const float* w_gate_scales = nullptr;
   const float* w_up_scales = nullptr;
   const float* w_down_scales = nullptr;
+  // The FP8 backward (launch_backward_megakernel with fp8): dy and x rows are packed rows too,
+  // ring_h holds the packed [dg | du] rows the dx GEMM reads (dgu_out their bf16 values for the
+  // weight gradients), and the GEMMs read the weights transposed (Fp8ExpertWeights::gate_up_t,
+  // down_t: e4m3 wgmma reads K-major operands only).
+  const uint8_t* w_gate_up_t_fp8 = nullptr;   // [experts, H, 2I]
+  const uint8_t* w_down_t_fp8 = nullptr;      // [experts, I, H]
+  const float* w_gate_up_t_scales = nullptr;  // [experts, H / 128, 2I / 128]
+  const float* w_down_t_scales = nullptr;     // [experts, I / 128, H / 128]
+  __nv_bfloat16* dgu_out = nullptr;           // [ring rows, 2I]
   int32_t comm_ctas = 0;  // communication partition; the other CTAs compute
   int32_t rank = 0;       // for diagnostics
   int64_t timeout_ns = 0;
@@ -125,10 +134,11 @@ struct MegakernelArgs {
   __nv_bfloat16* wh_out = nullptr;   // [ring rows, I]: w·h (the down weight gradient's rhs)
   float* dw_partial = nullptr;       // [ring rows, backward_dh_tiles(I)]: <dhp, h> per n tile
   size_t x_pull_offset = 0;          // window offset of x, pulled into x_out
-  __nv_bfloat16* x_out = nullptr;    // [ring rows, H]: x rows (padding rows zero)
+  void* x_out = nullptr;             // [ring rows, x_row_bytes]: x rows (padding rows zero)
 };
 
-// Bytes of one x row in the window and the ring (bf16, or an FP8 packed row), and of one h row.
+// Bytes of one x (or dy) row in the window and the ring (bf16, or an FP8 packed row), and of
+// one h row of the forward.
 EPFLOW_HD int64_t x_row_bytes(const MegakernelArgs& a) {
   return a.fp8 ? fp8::packed_row_bytes(a.hidden) : int64_t{a.hidden} * 2;
 }

@@ -126,8 +126,7 @@ void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, co
                         Fp8WeightGradSums* sums) {
   const int64_t H = config.hidden, I = config.intermediate;
   const bool pow2 = experts.power_of_two_scales;
-  std::vector<float> xv, xs, dyv, dys, gk(I), uk(I), h(I), hv, hs, dgf(I), duf(I), dgv, dgs, duv,
-      dus;
+  std::vector<float> xv, xs, dyv, dys, gk(I), uk(I), h(I), dgf(I), duf(I), dgv, dgs, duv, dus;
   std::vector<double> g, u, dhp, dg(I), du(I), dx(H, 0.0);
   quantize_row(x_row, H, pow2, &xv, &xs);
   quantize_row(dy_row, H, pow2, &dyv, &dys);  // by dy's owner, once per token
@@ -140,45 +139,44 @@ void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, co
       throw std::out_of_range(concat("backward_token_fp8: k ", k, ": expert id ", e,
                                      " is outside [-1, num_experts=", config.num_experts, ")"));
     // The forward's g | u as the training forward keeps them (bf16), and h recomputed from them
-    // and quantized as the forward's down GEMM read it.
+    // (rounded to bf16, as the backward's epilogue does).
     fp8_matvec(experts.gate[e], xv, xs, &g);
     fp8_matvec(experts.up[e], xv, xs, &u);
     for (int64_t i = 0; i < I; ++i) {
       gk[i] = round_bf16(static_cast<float>(g[i]));
       uk[i] = round_bf16(static_cast<float>(u[i]));
-      h[i] = gk[i] / (1.0f + std::exp(-gk[i])) * uk[i];
+      h[i] = round_bf16(gk[i] / (1.0f + std::exp(-gk[i])) * uk[i]);
     }
-    quantize_row(h.data(), I, pow2, &hv, &hs);
-    const std::vector<float> h_q = dequantized(hv, hs);
-    // dhp = Q(dy) Q(W_down) (K = H), w applied after; d w = <dhp, Q(h)>.
+    // dhp = Q(dy) Q(W_down) (K = H), w applied after; d w = <dhp, h>.
     dhp.assign(I, 0.0);
     fp8_matvec_transposed(experts.down[e], dyv, dys, &dhp);
     const double w = topk_weights_row[k];
     double d_w = 0.0;
-    for (int64_t i = 0; i < I; ++i) d_w += dhp[i] * h_q[i];
+    for (int64_t i = 0; i < I; ++i) d_w += dhp[i] * h[i];
     d_topk_weights_row[k] = static_cast<float>(d_w);
     for (int64_t i = 0; i < I; ++i) {
       detail::swiglu_backward(w * dhp[i], gk[i], uk[i], &dg[i], &du[i]);
-      dgf[i] = static_cast<float>(dg[i]);
-      duf[i] = static_cast<float>(du[i]);
+      dgf[i] = round_bf16(static_cast<float>(dg[i]));
+      duf[i] = round_bf16(static_cast<float>(du[i]));
     }
-    // dx += Q([dg | du]) Q([W_gate; W_up]) (K = 2I: the gate blocks, then the up blocks).
+    // dx += Q([dg | du]) Q([W_gate; W_up]) (K = 2I: the gate blocks, then the up blocks), dg and
+    // du quantized from their bf16 values (which the weight gradients read).
     quantize_row(dgf.data(), I, pow2, &dgv, &dgs);
     quantize_row(duf.data(), I, pow2, &duv, &dus);
     fp8_matvec_transposed(experts.gate[e], dgv, dgs, &dx);
     fp8_matvec_transposed(experts.up[e], duv, dus, &dx);
     if (sums == nullptr) continue;
-    // The weight gradients in the operands the forward's GEMMs read: (w dy)^T Q(h), with dy as
-    // pulled (e4m3), and [dg | du]^T Q(x).
+    // The weight gradients: (w Q(dy))^T h, with dy as pulled (e4m3), and [dg | du]^T Q(x) (x
+    // as the forward's gate/up GEMM read it, [dg | du] in bf16).
     double* d_down = sums->down.data() + e * H * I;
     for (int64_t j = 0; j < H; ++j)
-      for (int64_t i = 0; i < I; ++i) d_down[j * I + i] += w * dy_q[j] * h_q[i];
+      for (int64_t i = 0; i < I; ++i) d_down[j * I + i] += w * dy_q[j] * h[i];
     double* d_gate = sums->gate.data() + e * I * H;
     double* d_up = sums->up.data() + e * I * H;
     for (int64_t i = 0; i < I; ++i)
       for (int64_t j = 0; j < H; ++j) {
-        d_gate[i * H + j] += dg[i] * x_q[j];
-        d_up[i * H + j] += du[i] * x_q[j];
+        d_gate[i * H + j] += dgf[i] * x_q[j];
+        d_up[i * H + j] += duf[i] * x_q[j];
       }
   }
   for (int64_t j = 0; j < H; ++j) dx_row[j] = static_cast<float>(dx[j]);

@@ -249,15 +249,14 @@ TEST(LayerCreate, LowPrecisionModesSayNotImplemented) {
   EXPECT_NE(s.message().find("mxfp8"), std::string::npos);
 }
 
-TEST(LayerCreate, Fp8IsForwardOnlyWithBlockMultiples) {
+TEST(LayerCreate, Fp8NeedsBlockMultiples) {
   LayerConfig c = deepseek_v3_ep2();
   c.dtype = DType::kFP8Blockwise;
   EXPECT_TRUE(validate(c).ok());
   c.with_backward = true;
-  std::unique_ptr<Layer> layer;
-  const Status s = Layer::create(c, nullptr, &layer);
-  EXPECT_EQ(s.code(), StatusCode::kNotImplemented) << s.to_string();
-  EXPECT_NE(s.message().find("backward"), std::string::npos);
+  EXPECT_TRUE(validate(c).ok());
+  c.intermediate = 128 * 127;  // the dx GEMM's K is 2I
+  expect_invalid(validate(c), "up to 16128");
   c.with_backward = false;
   c.intermediate = 2048 + 64;
   expect_invalid(validate(c), "multiples of 128");
@@ -282,6 +281,12 @@ TEST(ForwardArgsValidate, Fp8LayerNeedsFp8WeightsAndQuantizationABuffer) {
   const int64_t E = c.experts_per_rank();
   const int64_t matrix = E * 2048 * 7168, scales = E * 16 * 56 * 4;
   EXPECT_EQ(fp8_expert_weights_bytes(c), 3 * matrix + 3 * ((scales + 255) / 256 * 256));
+  // A training config's weights also hold the three matrices transposed, with their scales.
+  LayerConfig training = c;
+  training.with_backward = true;
+  EXPECT_EQ(fp8_expert_weights_bytes(training),
+            fp8_expert_weights_bytes(c) + 3 * matrix + (2 * scales + 255) / 256 * 256 +
+                (scales + 255) / 256 * 256);
   Fp8ExpertWeights out;
   expect_invalid(quantize_expert_weights(c, a.weights, false, nullptr, 0, &out, nullptr),
                  "fp8_expert_weights_bytes");

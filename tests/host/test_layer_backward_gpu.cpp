@@ -219,6 +219,16 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     f.topk_idx = static_cast<int32_t*>(idx.ptr);
     f.topk_weights = static_cast<float*>(tw.ptr);
     f.weights = testing::placed_weights(wp, w);
+    // FP8: the weights quantized on the device (with the transposed copies the backward reads).
+    void* fp8_buffer = nullptr;
+    if (c.dtype == DType::kFP8Blockwise) {
+      const int64_t bytes = fp8_expert_weights_bytes(c);
+      EPFLOW_TRY_CUDA(cudaMalloc(&fp8_buffer, bytes));
+      if (Status s = quantize_expert_weights(c, f.weights, c.fp8_power_of_two_scales, fp8_buffer,
+                                             bytes, &f.weights.fp8, nullptr);
+          !s.ok())
+        return s;
+    }
     f.y = static_cast<__nv_bfloat16*>(y.ptr);
     // A context serves one backward: each backward below has a forward of its own.
     const auto forward = [&](SavedContext* saved, cudaStream_t stream) {
@@ -345,6 +355,7 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     }
     if (sampled) sampled->values[rank] = std::move(values);
     layer.reset();
+    if (fp8_buffer) cudaFree(fp8_buffer);
     for (__nv_bfloat16* p : w)
       if (p) cudaFree(p);
     return Status::ok_status();
@@ -370,18 +381,30 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
     EXPECT_EQ(err, 0.0) << what << ": the reference is zero, the output is not";
 }
 
+// Relative errors of FP8 gradients (LayerConfig::dtype = kFP8Blockwise). Against the
+// quantization-matched reference (reference::backward_fp8: the same e4m3 operands), the
+// differences are fp32 vs double accumulation, bf16 storage and the values a rounding flips by one
+// e4m3 step (dg, du: quantized from bf16 values whose last bit can differ); against the exact
+// bf16 reference, FP8's own error (the reference's CPU test measures 5-7% on synthetic inputs).
+constexpr double kFp8VsMatched = 3e-2;
+constexpr double kFp8VsExact = 0.12;
+
 void run_and_check(const LayerConfig& c, const CallInputs& in, const GradOptions& options = {},
                    uint64_t seed = 9) {
   const auto experts = testing::make_bf16_experts(c, seed);
   const auto dy = make_dy(c, in, seed);
-  RankGrads want;
-  const Status ref = reference::backward(c, in, experts, dy, &want);
+  const bool fp8 = c.dtype == DType::kFP8Blockwise;
+  RankGrads want, exact;
+  const Status ref = fp8 ? reference::backward_fp8(c, in, experts, dy, c.fp8_power_of_two_scales,
+                                                   &want)
+                         : reference::backward(c, in, experts, dy, &want);
   ASSERT_TRUE(ref.ok()) << ref.to_string();
+  if (fp8) ASSERT_TRUE(reference::backward(c, in, experts, dy, &exact).ok());
   RankGrads got;
   const Status s = run_backward(c, experts, in, dy, options, &got);
   ASSERT_TRUE(s.ok()) << s.to_string();
   // bf16 storage of dx rows, dg/du and the gradients themselves: a few 1e-3 in practice.
-  const double tol = options.dtype == GradDType::kFP32 ? 2e-2 : 3e-2;
+  const double tol = fp8 ? kFp8VsMatched : options.dtype == GradDType::kFP32 ? 2e-2 : 3e-2;
   const double weight_scale = options.backward_calls;
   for (int r = 0; r < c.ep_size; ++r) {
     SCOPED_TRACE(::testing::Message() << "rank " << r);
@@ -390,6 +413,14 @@ void run_and_check(const LayerConfig& c, const CallInputs& in, const GradOptions
     expect_close(got[r].d_gate, want[r].d_gate, weight_scale, tol, "d W_gate");
     expect_close(got[r].d_up, want[r].d_up, weight_scale, tol, "d W_up");
     expect_close(got[r].d_down, want[r].d_down, weight_scale, tol, "d W_down");
+    if (!fp8) continue;
+    SCOPED_TRACE("against the exact bf16 reference");
+    expect_close(got[r].dx, exact[r].dx, 1.0, kFp8VsExact, "dx");
+    expect_close(got[r].d_topk_weights, exact[r].d_topk_weights, 1.0, kFp8VsExact,
+                 "d topk_weights");
+    expect_close(got[r].d_gate, exact[r].d_gate, weight_scale, kFp8VsExact, "d W_gate");
+    expect_close(got[r].d_up, exact[r].d_up, weight_scale, kFp8VsExact, "d W_up");
+    expect_close(got[r].d_down, exact[r].d_down, weight_scale, kFp8VsExact, "d W_down");
   }
 }
 
@@ -573,6 +604,47 @@ EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, RingWrapAndIntermediateTail,
 EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, UnfusedBackwardWithAndWithoutSideStream,
                          unfused_backward_with_and_without_side_stream)
 EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, CapturedInCudaGraph, captured_in_cuda_graph)
+
+// --- FP8 (LayerConfig::dtype = kFP8Blockwise) ---------------------------------------------
+
+// The FP8 backward against the quantization-matched reference and the exact one: H 256, I 384
+// (the last dhp tile's second 128-column block lies past I), 8 experts per rank, top-4; uniform,
+// imbalanced, one-expert and empty-slot routings, token counts off the tile, T = 0 on a rank;
+// power-of-two scales; bf16 gradients and accumulated fp32 ones; a forward ring that wraps with
+// one communication SM; weights in Megatron-Core's fused layout and gradients in its reversed
+// one; a repeated backward and a captured graph bitwise the same.
+void fp8_backward(int world) {
+  LayerConfig c = small_ring_config(world, 600);
+  c.hidden = 256;
+  c.intermediate = 384;
+  c.dtype = DType::kFP8Blockwise;
+  run_and_check(c, testing::make_call(c, tokens_for(c, 300, 77), Routing::kUniform, 30));
+  run_and_check(c, testing::make_call(c, tokens_for(c, 0, 513), Routing::kImbalanced, 31));
+  run_and_check(c, testing::make_call(c, tokens_for(c, 600, 129), Routing::kSingleExpert, 32));
+  GradOptions one_comm_sm;
+  one_comm_sm.comm_sms = 1;
+  run_and_check(c, testing::make_call(c, tokens_for(c, 129, 37), Routing::kWithEmptySlots, 33),
+                one_comm_sm);
+  GradOptions repeat;
+  repeat.check_repeatable = true;
+  run_and_check(c, testing::make_call(c, tokens_for(c, 200, 150), Routing::kImbalanced, 34),
+                repeat);
+  GradOptions graph;
+  graph.check_graph = true;
+  run_and_check(c, testing::make_call(c, tokens_for(c, 400, 211), Routing::kUniform, 35), graph);
+  const CallInputs in = testing::make_call(c, tokens_for(c, 150, 250), Routing::kUniform, 36);
+  run_and_check(c, in, GradOptions{GradDType::kBF16, 1});
+  GradOptions strided{GradDType::kFP32, 2};
+  strided.weights = testing::ExpertLayout::kFusedGateUp;
+  strided.grads = testing::ExpertLayout::kDdpReversed;
+  run_and_check(c, in, strided);
+  LayerConfig pow2 = c;
+  pow2.fp8_power_of_two_scales = true;
+  run_and_check(pow2, testing::make_call(pow2, tokens_for(pow2, 333, 500), Routing::kImbalanced,
+                                         37));
+}
+
+EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, Fp8MatchesTheReferences, fp8_backward)
 
 // --- the DeepSeek-V3 per-rank shape, checked on samples --------------------------------------
 

@@ -104,36 +104,71 @@ TEST(Fp8QuantizeGpu, RowsMatchTheReference) {
   }
 }
 
+// Matrices of partial blocks (200 x 264: 2 x 3 blocks; their transposed copy written bytewise)
+// and of whole ones (256 x 384: 16-byte chunks), with the transposed copy a training layer's
+// backward reads, placed as W_up^T in gate_up_t (the second of two matrices side by side: rows of
+// twice the matrix's rows, starting at its rows), which must be exactly the quantized bytes and
+// scales transposed.
 TEST(Fp8QuantizeGpu, MatricesMatchTheReference) {
   EPFLOW_SKIP_WITHOUT_GPU();
-  const int64_t matrices = 3, rows = 200, cols = 264;  // 2 x 3 blocks each, partial edges
-  const int64_t per = rows * cols, nblocks = 2 * 3;
-  const auto w = make_values(matrices * per, 6, per + 150 * cols + 10, 2 * per + 5);
-  for (bool pow2 : {false, true}) {
-    SCOPED_TRACE(pow2 ? "power-of-two scales" : "plain scales");
-    std::vector<uint8_t> want_q(matrices * per), q(matrices * per);
-    std::vector<float> want_s(matrices * nblocks), s(matrices * nblocks);
-    const auto wf = to_float(w);
-    for (int64_t m = 0; m < matrices; ++m)
-      reference::quantize_blocks_128x128(wf.data() + m * per, rows, cols, pow2,
-                                         want_q.data() + m * per, want_s.data() + m * nblocks);
-    __nv_bfloat16* dw = nullptr;
-    uint8_t* dq = nullptr;
-    float* ds = nullptr;
-    EPFLOW_CUDA_CHECK(cudaMalloc(&dw, w.size() * 2));
-    EPFLOW_CUDA_CHECK(cudaMalloc(&dq, q.size()));
-    EPFLOW_CUDA_CHECK(cudaMalloc(&ds, s.size() * 4));
-    EPFLOW_CUDA_CHECK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
-    EPFLOW_CUDA_CHECK(cudaMemset(dq, 0xAB, q.size()));
-    EPFLOW_CUDA_CHECK(cudaMemset(ds, 0xFF, s.size() * 4));
-    EPFLOW_CUDA_CHECK(
-        kernels::launch_quantize_blocks_128x128(dw, matrices, rows, cols, pow2, dq, ds, nullptr));
-    EPFLOW_CUDA_CHECK(cudaMemcpy(q.data(), dq, q.size(), cudaMemcpyDeviceToHost));
-    EPFLOW_CUDA_CHECK(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
-    for (void* p : {static_cast<void*>(dw), static_cast<void*>(dq), static_cast<void*>(ds)})
-      EPFLOW_CUDA_CHECK(cudaFree(p));
-    expect_same(q, want_q, s, want_s);
-  }
+  struct Case {
+    int64_t rows, cols;
+  };
+  for (const Case& c : {Case{200, 264}, Case{256, 384}})
+    for (bool pow2 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << c.rows << " x " << c.cols
+                                        << (pow2 ? ", power-of-two scales" : ", plain scales"));
+      const int64_t matrices = 3, rows = c.rows, cols = c.cols, per = rows * cols;
+      const int64_t nblocks = ((rows + 127) / 128) * ((cols + 127) / 128);
+      const auto w = make_values(matrices * per, 6, per + 150 * cols + 10, 2 * per + 5);
+      const int64_t rb = (rows + 127) / 128, cb = (cols + 127) / 128, ld = 2 * rows;
+      std::vector<uint8_t> want_q(matrices * per), q(matrices * per), qt(matrices * cols * ld);
+      std::vector<float> want_s(matrices * nblocks), s(matrices * nblocks), st(2 * s.size());
+      const auto wf = to_float(w);
+      for (int64_t m = 0; m < matrices; ++m)
+        reference::quantize_blocks_128x128(wf.data() + m * per, rows, cols, pow2,
+                                           want_q.data() + m * per, want_s.data() + m * nblocks);
+      __nv_bfloat16* dw = nullptr;
+      uint8_t *dq = nullptr, *dqt = nullptr;
+      float *ds = nullptr, *dst = nullptr;
+      EPFLOW_CUDA_CHECK(cudaMalloc(&dst, st.size() * 4));
+      EPFLOW_CUDA_CHECK(cudaMemset(dst, 0xFF, st.size() * 4));
+      EPFLOW_CUDA_CHECK(cudaMalloc(&dw, w.size() * 2));
+      EPFLOW_CUDA_CHECK(cudaMalloc(&dq, q.size()));
+      EPFLOW_CUDA_CHECK(cudaMalloc(&dqt, qt.size()));
+      EPFLOW_CUDA_CHECK(cudaMalloc(&ds, s.size() * 4));
+      EPFLOW_CUDA_CHECK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+      EPFLOW_CUDA_CHECK(cudaMemset(dq, 0xAB, q.size()));
+      EPFLOW_CUDA_CHECK(cudaMemset(dqt, 0xAB, qt.size()));
+      EPFLOW_CUDA_CHECK(cudaMemset(ds, 0xFF, s.size() * 4));
+      // Without the transposed copy, then with it (the same bytes and scales both times).
+      for (bool transposed : {false, true}) {
+        kernels::TransposedCopy t;
+        if (transposed) t = {dqt + rows, ld, cols * ld, dst + rb, 2 * rb, cb * 2 * rb};
+        EPFLOW_CUDA_CHECK(kernels::launch_quantize_blocks_128x128(dw, matrices, rows, cols, pow2,
+                                                                  dq, ds, nullptr, 0, t));
+        EPFLOW_CUDA_CHECK(cudaMemcpy(q.data(), dq, q.size(), cudaMemcpyDeviceToHost));
+        EPFLOW_CUDA_CHECK(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost));
+        expect_same(q, want_q, s, want_s);
+      }
+      EPFLOW_CUDA_CHECK(cudaMemcpy(qt.data(), dqt, qt.size(), cudaMemcpyDeviceToHost));
+      EPFLOW_CUDA_CHECK(cudaMemcpy(st.data(), dst, st.size() * 4, cudaMemcpyDeviceToHost));
+      for (void* p : {static_cast<void*>(dw), static_cast<void*>(dq), static_cast<void*>(dqt),
+                      static_cast<void*>(ds), static_cast<void*>(dst)})
+        EPFLOW_CUDA_CHECK(cudaFree(p));
+      int64_t wrong = 0, wrong_scales = 0;
+      for (int64_t m = 0; m < matrices; ++m) {
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t col = 0; col < cols; ++col)
+            wrong += qt[m * cols * ld + col * ld + rows + r] != want_q[m * per + r * cols + col];
+        for (int64_t a = 0; a < rb; ++a)
+          for (int64_t b = 0; b < cb; ++b)
+            wrong_scales += std::memcmp(&st[m * cb * 2 * rb + b * 2 * rb + rb + a],
+                                        &want_s[m * nblocks + a * cb + b], 4) != 0;
+      }
+      EXPECT_EQ(wrong, 0) << "bytes of the transposed copy differ from the transposed quantization";
+      EXPECT_EQ(wrong_scales, 0) << "the transposed copy's scales differ from the transposed ones";
+    }
 }
 
 TEST(Fp8QuantizeGpu, RejectsBadShapes) {

@@ -527,7 +527,7 @@ def test_forward_matches_reference_ep2():
     assert r.stdout.count("EP2 OK") == 2, r.stdout
 
 
-# --- the FP8 inference layer -----------------------------------------------------------------
+# --- the FP8 layer ---------------------------------------------------------------------------
 # e4m3 keeps 3 mantissa bits: against the exact (fp32) reference the FP8 layer lands a few
 # percent off (the C++ tests bound it with the quantization-matched reference too).
 FP8_TOL = 8e-2
@@ -567,8 +567,53 @@ def test_fp8_weights_requantized_after_an_update(fp8_layer):
         fp8_layer.w_down.div_(-2.0)
 
 
-def test_fp8_layer_is_inference_only():
-    with pytest.raises(NotImplementedError, match="backward"):
-        epflow.MoELayer(H, 256, E, K, T_MAX, dtype="fp8")
+def test_fp8_layer_refuses_unknown_dtypes():
     with pytest.raises(ValueError, match="dtype"):
         epflow.MoELayer(H, 256, E, K, T_MAX, dtype="fp16", backward=False)
+
+
+# The FP8 training layer: its gradients against the exact (fp32) reference of the bf16
+# parameters, within FP8's error (the C++ tests also hold it to the quantization-matched
+# reference, tighter); after an optimizer step the weights are re-quantized.
+@pytest.fixture(scope="module")
+def fp8_train_layer():
+    torch.manual_seed(4)
+    m = epflow.MoELayer(H, 256, E, K, T_MAX, dtype="fp8")
+    yield m
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("T", [1, 77, T_MAX])
+def test_fp8_gradients_match_reference(fp8_train_layer, T):
+    layer = fp8_train_layer
+    x, idx, w = _inputs(T, seed=30 + T)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    params = (layer.w_gate, layer.w_up, layer.w_down)
+    for p in params:
+        p.grad = None
+    dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    y = layer(x, idx, w)
+    (y.float() * dy.float()).sum().backward()
+    torch.cuda.synchronize()
+    want = _reference_grads(x, idx, w, params, dy)
+    for name, got, ref in zip(("x", "topk_weights", "w_gate", "w_up", "w_down"),
+                              (x.grad, w.grad) + tuple(p.grad for p in params), want):
+        assert got is not None and got.shape == ref.shape, name
+        assert torch.isfinite(got).all(), f"{name}: non-finite gradient"
+        err = rel_err(got, ref)
+        assert err <= FP8_TOL, f"{name}: rel err {err:.3e} at T={T}"
+
+
+def test_fp8_training_step_requantizes(fp8_train_layer):
+    layer = fp8_train_layer
+    x, idx, w = _inputs(100, seed=6)
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    layer(x, idx, w).float().square().mean().backward()
+    opt.step()  # updates the bf16 parameters in place: the next call quantizes them again
+    opt.zero_grad()
+    with torch.no_grad():
+        y = layer(x, idx, w)
+    torch.cuda.synchronize()
+    err = rel_err(y, reference_moe(x, idx, w, layer.w_gate, layer.w_up, layer.w_down))
+    assert err <= FP8_TOL, f"rel err {err:.3e} after an optimizer step"

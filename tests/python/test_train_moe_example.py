@@ -163,6 +163,13 @@ def test_rules():
     # rule 3 alone: 10% apart, both learned
     assert [b.split(":")[0] for b in tm.check_rules([], {"epflow": 0.055, "pytorch": 0.05,
                                                          "linear": 0.97})] == ["rule 3 (agreement)"]
+    # --dtype fp8: the FP8 model within 5% of the bf16 EPFlow model's loss, and learning
+    fp8 = dict(good, **{"epflow-fp8": 0.052})
+    assert tm.check_rules([], fp8) == []
+    far = tm.check_rules([], dict(good, **{"epflow-fp8": 0.06}))
+    assert [b.split(":")[0] for b in far] == ["rule 4 (fp8)"]
+    nan = tm.check_rules([], dict(good, **{"epflow-fp8": float("nan")}))
+    assert [b.split(":")[0] for b in nan] == ["rule 2 (learning)", "rule 4 (fp8)"]
 
 
 # --- the whole example, tiny, on the CPU -------------------------------------------------

@@ -1,16 +1,20 @@
 // The backward megakernel (moe_megakernel.cuh; docs/design/backward_megakernel.md): pull dy
 // rows; dhp = dy W_down with the SwiGLU and router-weight backward in its epilogue (DhSink);
 // dx = [dg | du] [W_gate; W_up] pushed into the owners' (token, k) slots (PushCombineSink); the
-// communication CTAs also pull the x rows the weight gradients read. This file holds the pass's
-// traits, its weights' TMA maps and launch_backward_megakernel; the kernel is kernel.cuh's,
+// communication CTAs also pull the x rows the weight gradients read. In bf16, or in FP8
+// (MegakernelArgs::fp8: dy and x pulled as packed rows, block-scaled GEMMs on the transposed
+// e4m3 weights, [dg | du] quantized in DhSink; dx pushed in bf16). This file holds the passes'
+// traits, their weights' TMA maps and launch_backward_megakernel; the kernel is kernel.cuh's,
 // shared with the forward.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "common/tile.h"
 #include "kernels/grouped_gemm.cuh"
 #include "kernels/megakernel/kernel.cuh"
 #include "kernels/moe_megakernel.cuh"
+#include "kernels/tensor_map.h"
 
 namespace epflow::kernels {
 
@@ -30,6 +34,38 @@ struct BackwardPass {
   static constexpr bool kForWeightGradients = true;
   static constexpr gemm::Operands kOperands = gemm::Operands::kBF16;
 };
+// FP8 (docs/design/fp8_backward.md): packed dy rows against W_down^T, packed [dg | du] rows
+// against [W_gate; W_up]^T (one K-major matrix, K = 2I), both with block scales; DhSink
+// quantizes [dg | du] into the ring.
+struct Fp8BackwardPass : BackwardPass {
+  static constexpr gemm::WeightMajor kWeights = gemm::WeightMajor::kK;
+  static constexpr gemm::Operands kOperands = gemm::Operands::kFP8;
+};
+
+// The FP8 pass's weight maps: W_down^T [E, I, H] (dhp: n = I, K = H) and gate_up_t [E, H, 2I]
+// (dx: n = H, K = 2I), e4m3 in boxes of one 128-wide K block by the tile's 256 n rows, and
+// their transposed block scales.
+bool encode_fp8_backward_maps(const MegakernelArgs& a, Maps* m) {
+  const uint64_t E = a.experts, H = a.hidden, I = a.intermediate;
+  constexpr uint32_t kK = fp8::kBlock;
+  const uint64_t down_t_dims[3] = {H, I, E}, gate_up_t_dims[3] = {2 * I, H, E};
+  const uint32_t box[3] = {kK, kTileCols, 1};
+  const bool ok =
+      encode_ring_maps<Fp8BackwardPass>(a, m) &&
+      encode_u8_tensor_map(&m->w1a, a.w_down_t_fp8, 3, down_t_dims, box).ok() &&
+      encode_u8_tensor_map(&m->w2a, a.w_gate_up_t_fp8, 3, gate_up_t_dims, box).ok() &&
+      encode_f32_vector_map(&m->w1a_scales, a.w_down_t_scales, E * I * H / (kK * kK),
+                            gemm::fp8_weight_scale_box(int32_t(H / kK)))
+          .ok() &&
+      encode_f32_vector_map(&m->w2_scales, a.w_gate_up_t_scales, E * H * 2 * I / (kK * kK),
+                            gemm::fp8_weight_scale_box(int32_t(2 * I / kK)))
+          .ok();
+  m->w1b = m->w1a;
+  m->w1b_scales = m->w1a_scales;
+  m->w2b = m->w2a;
+  m->h_out = {};
+  return ok;
+}
 
 }  // namespace
 }  // namespace megakernel
@@ -40,6 +76,17 @@ cudaError_t launch_backward_megakernel(const MegakernelArgs& a, int32_t sm_count
   if (!megakernel::valid_args(a, sm_count) || !a.gate_up_in || !a.wh_out || !a.dw_partial ||
       !a.x_out || a.gate_up_out)
     return cudaErrorInvalidValue;
+  if (a.fp8) {
+    // FP8 K blocks are 128 wide; [dg | du]'s blocks must not straddle dg and du.
+    megakernel::Maps m;
+    if (a.hidden % fp8::kBlock != 0 || a.intermediate % fp8::kBlock != 0 ||
+        a.hidden / fp8::kBlock > fp8::kMaxKBlocks ||
+        2 * a.intermediate / fp8::kBlock > fp8::kMaxKBlocks || !a.dgu_out ||
+        !a.w_gate_up_t_fp8 || !a.w_down_t_fp8 || !a.w_gate_up_t_scales || !a.w_down_t_scales ||
+        !megakernel::encode_fp8_backward_maps(a, &m))
+      return cudaErrorInvalidValue;
+    return megakernel::launch<megakernel::Fp8BackwardPass>(m, a, sm_count, stream);
+  }
   // w1a = w1b = W_down read N-major ([E, H, I] as k = H, n = I); w2a, w2b = W_gate, W_up read
   // N-major (k = I each: the dx GEMM's K is [dg | du]); h_out unused.
   megakernel::Maps m;

@@ -178,7 +178,7 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
     StagingHandshake staging{&smem};  // both sinks', and the store warps' stop
     RingSink ring{&staging, &a};
     PushCombineSink push{&staging};
-    DhSink dh{&a};
+    DhSink<kOp == gemm::Operands::kFP8> dh{&a};
     gemm::Fp8Scales gate_up_scales = fp8_scales(smem, a.intermediate);
     gate_up_scales.power_of_two = a.fp8_pow2_scales;
     const gemm::Fp8Scales down_scales = fp8_scales(smem, a.hidden);
@@ -206,8 +206,9 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
         if constexpr (P::kBackward) {
           dh.counter = counter;
           dh.c = c;
-          gemm::consume_tile<P::kGateUpEpilogue, kStages, kStaging, DhSink, P::kWeights>(
-              smem.gemm, ps, c, k_gate_up, wg - 1, dh);
+          gemm::consume_tile<P::kGateUpEpilogue, kStages, kStaging, decltype(dh), P::kWeights,
+                             gemm::RowsMajor::kK, kOp>(smem.gemm, ps, c, k_gate_up, wg - 1, dh,
+                                                       gate_up_scales);
         } else {
           ring.counter = counter;
           ring.task = i;

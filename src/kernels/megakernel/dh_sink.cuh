@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cuda/ptx>
 
+#include "common/fp8_blocks.h"
 #include "common/routing_schedule.h"
 #include "common/tile.h"
 #include "kernels/grouped_gemm.cuh"
@@ -28,8 +29,15 @@ namespace epflow::kernels::megakernel {
 // d w is deterministic). Padding rows get zeros: the weight-gradient GEMMs sum over whole tiles.
 // The counter says the tile's [dg | du] rows are written, so each warpgroup signals after all
 // its threads stored (and fenced them for the dx GEMM's TMA loads).
+// kFp8 (the FP8 backward): [dg | du] goes to dgu_out in bf16 (the weight gradients' operand) and,
+// quantized 1 x 128 from those bf16 values, into the ring's packed rows the dx GEMM reads: a
+// row's 128-column block is held by a quad over 16 n8 blocks, so each thread keeps its bf16 pairs
+// of the block until its last n8 block, then the quad reduces the amax and writes the e4m3
+// bytes (quantized_block).
+template <bool kFp8>
 struct DhSink {
   static constexpr bool kDirect = true;
+  static constexpr int kBlockJ = fp8::kBlock / 8;  // n8 blocks per 1 x 128 block
   const MegakernelArgs* a;
   uint32_t* counter = nullptr;
   gemm::TileCoord c;  // the current tile (skip() needs it too)
@@ -37,10 +45,12 @@ struct DhSink {
   const __nv_bfloat16* gu[2] = {nullptr, nullptr};
   __nv_bfloat16* wh[2];   // the thread's rows of w·h at this n tile
   __nv_bfloat16* dgu[2];  // ... and of [dg | du]
+  uint8_t* packed[2];     // kFp8: the thread's rows of packed [dg | du] at this n tile
   int64_t row[2];         // the thread's two ring rows
   float w[2], dot[2];
   int32_t cols = 0, q = 0, wg = 0, tid = 0;
   uint32_t wh_pairs[2][4], dg_pairs[2][4], du_pairs[2][4];
+  uint32_t dg_block[2][kFp8 ? kBlockJ : 1], du_block[2][kFp8 ? kBlockJ : 1];  // kFp8
 
   __device__ __forceinline__ void prepare(const gemm::TileCoord& tile, int warpgroup, int thread) {
     c = tile;
@@ -53,7 +63,9 @@ struct DhSink {
     for (int half = 0; half < 2; ++half) {
       row[half] = int64_t{tile.a_row} + wg * 64 + tid / 32 * 16 + tid % 32 / 4 + 8 * half;
       wh[half] = a->wh_out + row[half] * I + col0;
-      dgu[half] = a->ring_h + row[half] * 2 * I + col0;
+      dgu[half] = (kFp8 ? a->dgu_out : a->ring_h) + row[half] * 2 * I + col0;
+      packed[half] = reinterpret_cast<uint8_t*>(a->ring_h) +
+                     row[half] * fp8::packed_row_bytes(2 * I) + col0;
       dot[half] = 0.0f;
       w[half] = 0.0f;
       gu[half] = nullptr;
@@ -99,6 +111,11 @@ struct DhSink {
     wh_pairs[half][j % 4] = gemm::bf16_pair(wh0, wh1);
     dg_pairs[half][j % 4] = gemm::bf16_pair(dg0, dg1);
     du_pairs[half][j % 4] = gemm::bf16_pair(du0, du1);
+    if constexpr (kFp8) {
+      dg_block[half][j % kBlockJ] = dg_pairs[half][j % 4];
+      du_block[half][j % kBlockJ] = du_pairs[half][j % 4];
+      if (j % kBlockJ == kBlockJ - 1 && half == 1) quantized_block(j / kBlockJ);
+    }
     if (j % 4 != 3 || half != 1) return;
     const int block = 8 * (j - 3 + q);
 #pragma unroll
@@ -124,6 +141,47 @@ struct DhSink {
     }
     finish();
   }
+  // kFp8: block b (of the tile's two 128-column blocks) of both rows' dg and du, quantized from
+  // the bf16 values kept in dg_block / du_block: the quad's amax by two shuffles, the e4m3
+  // pairs swapped across the quad so that each lane stores 8 whole bytes per four n8 blocks (a
+  // quad writes 32 contiguous bytes), the scale by lane 0. Padding rows hold zeros (scale 1).
+  __device__ __forceinline__ void quantized_block(int b) {
+    const int64_t I = a->intermediate;
+    const int32_t col = b * fp8::kBlock;  // in the tile
+    if (col >= cols) return;              // past I (the same for the whole tile)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {  // dg, then du (I columns later)
+        const uint32_t* pairs = part == 0 ? dg_block[h] : du_block[h];
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kBlockJ; ++i) {
+          const float2 v = gemm::bf16_pair_to_float2(pairs[i]);
+          amax = fp8::amax_nan(amax, fp8::amax_nan(fabsf(v.x), fabsf(v.y)));
+        }
+        amax = fp8::amax_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fp8::amax_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const float scale = fp8::block_scale(amax, a->fp8_pow2_scales);
+        uint8_t* dst = packed[h] + part * I + col;
+#pragma unroll
+        for (int i = 0; i < kBlockJ / 4; ++i) {
+          uint32_t e4m3[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float2 v = gemm::bf16_pair_to_float2(pairs[4 * i + r]);
+            e4m3[r] = fp8::quantize_pair(v.x, v.y, scale);
+          }
+          // Lane q gets n8 block 4i + q: word r holds lane r's two bytes of it.
+          const uint4 g = gemm::quad_gather_block(e4m3, q);
+          *reinterpret_cast<uint2*>(dst + 8 * (4 * i + q)) =
+              make_uint2(g.x | g.y << 16, g.z | g.w << 16);
+        }
+        if (q == 0)
+          reinterpret_cast<float*>(packed[h] - (int64_t{c.n_tile} * kTileCols) + 2 * I)
+              [(part * I + int64_t{c.n_tile} * kTileCols + col) / fp8::kBlock] = scale;
+      }
+  }
   // After the epilogue (every thread of the warpgroup): the tile's rows are written; signal.
   __device__ __forceinline__ void finish() {
     cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // the dx GEMM reads them by TMA
@@ -140,8 +198,27 @@ struct DhSink {
       const int64_t row = int64_t{c.a_row} + wg * 64 + i / (3 * chunks);
       const int32_t part = i % (3 * chunks) / chunks, col = i % chunks * 8;
       __nv_bfloat16* dst = part == 0 ? a->wh_out + row * I + col0 + col
-                                     : a->ring_h + row * 2 * I + (part - 1) * I + col0 + col;
+                                     : (kFp8 ? a->dgu_out : a->ring_h) + row * 2 * I +
+                                           (part - 1) * I + col0 + col;
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+    if constexpr (kFp8) {
+      // The packed rows too: e4m3 zeros (16-byte chunks of dg's and du's columns) and scale 1
+      // for the tile's blocks.
+      const int64_t row_bytes = fp8::packed_row_bytes(2 * I);
+      for (int32_t i = tid; i < 64 * 2 * chunks / 2; i += 128) {
+        const int64_t row = int64_t{c.a_row} + wg * 64 + i / chunks;
+        const int32_t part = i % chunks / (chunks / 2), col = i % (chunks / 2) * 16;
+        *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(a->ring_h) + row * row_bytes +
+                                  part * I + col0 + col) = make_uint4(0, 0, 0, 0);
+      }
+      const int32_t blocks = chunks * 8 / fp8::kBlock;
+      for (int32_t i = tid; i < 64 * 2 * blocks; i += 128) {
+        const int64_t row = int64_t{c.a_row} + wg * 64 + i / (2 * blocks);
+        const int32_t part = i % (2 * blocks) / blocks, b = i % blocks;
+        reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(a->ring_h) + row * row_bytes +
+                                 2 * I)[(part * I + col0) / fp8::kBlock + b] = 1.0f;
+      }
     }
     finish();
   }

@@ -95,7 +95,7 @@ __device__ __forceinline__ PullJob dispatch_job(const MegakernelArgs& a, const m
 __device__ __forceinline__ PullJob x_job(const MegakernelArgs& a, const mega::TaskShape& s,
                                          int32_t m) {
   const int32_t rows = tile_of(a, s, mega::Task{mega::TaskKind::kDispatch, m, 0}).rows;
-  uint8_t* dst = reinterpret_cast<uint8_t*>(a.x_out) + int64_t{m} * kTileRows * a.hidden * 2;
+  uint8_t* dst = static_cast<uint8_t*>(a.x_out) + int64_t{m} * kTileRows * x_row_bytes(a);
   return PullJob{a.x_pull_offset, dst, 0, rows, rows, false};
 }
 

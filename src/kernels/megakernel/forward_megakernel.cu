@@ -70,11 +70,11 @@ cudaError_t launch_forward_megakernel(const MegakernelArgs& a, int32_t sm_count,
   using megakernel::ForwardPass;
   if (!megakernel::valid_args(a, sm_count)) return cudaErrorInvalidValue;
   if (a.fp8) {
-    // FP8 K blocks are 128 wide; the forward keeps no g | u for a backward in FP8.
+    // FP8 K blocks are 128 wide.
     megakernel::Maps m;
     if (a.hidden % fp8::kBlock != 0 || a.intermediate % fp8::kBlock != 0 ||
         a.hidden / fp8::kBlock > fp8::kMaxKBlocks ||
-        a.intermediate / fp8::kBlock > fp8::kMaxKBlocks || a.gate_up_out ||
+        a.intermediate / fp8::kBlock > fp8::kMaxKBlocks ||
         !a.w_gate_scales || !a.w_up_scales || !a.w_down_scales ||
         !megakernel::encode_fp8_forward_maps(a, &m))
       return cudaErrorInvalidValue;

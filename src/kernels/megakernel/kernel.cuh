@@ -9,7 +9,7 @@
 //   kDownNFastestWhenSuited whether the compute list may order down-kind tiles n tile fastest;
 //   kForWeightGradients     whether dispatch writes padding rows as zeros and also pulls x;
 //   kOperands               both GEMMs' operands (gemm::Operands: bf16, or FP8 with block
-//                           scales; then x and h rows are packed rows, MegakernelArgs::fp8).
+//                           scales; then both GEMMs' rows are packed rows, MegakernelArgs::fp8).
 #pragma once
 
 #include <cuda.h>
@@ -106,15 +106,16 @@ inline bool encode_fp8_row_maps(const void* rows, int64_t cols, int64_t n_rows, 
              .ok();
 }
 
-// The ring's rows in both GEMMs: ring_x (K = H) and ring_h (K = kDownKParts * I).
+// The ring's rows in both GEMMs: ring_x (K = H) and ring_h (K = kDownKParts * I), packed rows
+// in FP8.
 template <class P>
 bool encode_ring_maps(const MegakernelArgs& a, Maps* m) {
   const int64_t ring_rows = int64_t{a.ring_tiles} * kTileRows;
   if constexpr (P::kOperands == gemm::Operands::kFP8)
     return encode_fp8_row_maps(a.ring_x, a.hidden, ring_rows, &m->rows1, &m->rows1_few,
                                &m->rows1_scales) &&
-           encode_fp8_row_maps(a.ring_h, a.intermediate, ring_rows, &m->rows2, &m->rows2_few,
-                               &m->rows2_scales);
+           encode_fp8_row_maps(a.ring_h, P::kDownKParts * int64_t{a.intermediate}, ring_rows,
+                               &m->rows2, &m->rows2_few, &m->rows2_scales);
   return gemm::encode_row_operand_maps(a.ring_x, a.hidden, ring_rows, &m->rows1, &m->rows1_few) &&
          gemm::encode_row_operand_maps(a.ring_h, P::kDownKParts * int64_t{a.intermediate},
                                        ring_rows, &m->rows2, &m->rows2_few);
