@@ -89,6 +89,37 @@ def render_fp8(runs):
               f" | {mine.get('quantize_weights_us', 0):.0f} | {device} | {commit} |")
 
 
+def render_fp8_backward(runs):
+    """EPFlow's FP8 backward and training step (weights re-quantized + forward keeping g|u +
+    backward) per point against its bf16 ones from the same run (epflow-bench --dtype fp8
+    --backward), with the backward's two largest stages."""
+    rows = {}
+    for r in runs:
+        if r["direction"] == "bwd" and r["system"] in (FP8, "epflow"):
+            rows.setdefault(point(r), {})[r["system"]] = r
+    print("| preset | tokens/rank | EP | routing | FP8 backward µs (TFLOP/s/GPU) | bf16 backward "
+          "µs | FP8 speedup | megakernel µs FP8 / bf16 | weight gradients µs FP8 / bf16 "
+          "| FP8 step µs (re-quantization µs) | bf16 step µs | FP8 step speedup | device "
+          "| commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def stage(r, prefix):
+        return next((v for k, v in r.get("stage_us", {}).items() if k.startswith(prefix)),
+                    float("nan"))
+    for key in sorted(rows, key=lambda k: (k[0], k[3], -k[2], k[1])):
+        fp8, bf16 = rows[key].get(FP8), rows[key].get("epflow")
+        if fp8 is None or bf16 is None:
+            continue
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} "
+              f"| {fp8['layer_us']:.0f} ({fp8['layer_tflops_per_gpu']:.0f}) "
+              f"| {bf16['layer_us']:.0f} | {bf16['layer_us'] / fp8['layer_us']:.2f}x "
+              f"| {stage(fp8, 'megakernel'):.0f} / {stage(bf16, 'megakernel'):.0f} "
+              f"| {stage(fp8, 'weight gradients'):.0f} / {stage(bf16, 'weight gradients'):.0f} "
+              f"| {fp8['train_step_us']:.0f} ({fp8.get('train_step_quantize_us', float('nan')):.0f}) "
+              f"| {bf16['train_step_us']:.0f} | {bf16['train_step_us'] / fp8['train_step_us']:.2f}x "
+              f"| {fp8['device']} | {fp8['commit']} |")
+
+
 def render_fp8_yardsticks(doc):
     """bench/fp8_yardsticks.py: cuBLAS dense and torch grouped GEMMs in bf16 and FP8, and the FP8
     weights' stream, median over the repeats."""
@@ -583,6 +614,10 @@ def main(paths, summary=False):
     if any(r["system"] == FP8 for r in runs):
         render_fp8(runs)
         print()
+        if any(r["system"] == FP8 and r["direction"] == "bwd" for r in runs):
+            print("EPFlow's FP8 backward and training step against its bf16 ones (same run):\n")
+            render_fp8_backward(runs)
+            print()
         staged = [{**d, "runs": [r for r in d["runs"] if r.get("system") == FP8
                                  and "stage_us_0" in r]} for d in layer]
         staged = [d for d in staged if d["runs"]]
