@@ -133,7 +133,9 @@ def parse_args() -> argparse.Namespace:
                     help="how epflow-bench measures its cuBLAS yardstick (its --yardstick)")
     args = ap.parse_args()
     if args.dtype == "fp8" and args.backward:
-        ap.error("--dtype fp8 times forwards only: the FP8 layers have no backward")
+        ap.error("--dtype fp8 compares forwards (NCCL+PyTorch's FP8 layer has no backward); time "
+                 "EPFlow's FP8 backward against its bf16 one with epflow-bench --dtype fp8 "
+                 "--backward")
     if args.png is None:
         args.png = args.out.with_suffix(".png")
     if args.dump is None:

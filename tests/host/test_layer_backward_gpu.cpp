@@ -12,7 +12,8 @@
 // 32 experts per rank, top-8) at T = 1, 129 and 4096, EP=1 and EP=2, checked on sampled tokens and
 // weight-gradient elements against the CPU reference's per-token and per-element functions.
 // Expert weights and gradients in Megatron-Core's layouts (fused gate|up, padded experts) read
-// and written in place through the expert strides. Outputs are poisoned first.
+// and written in place through the expert strides. The FP8 backward against the
+// quantization-matched reference and the exact one. Outputs are poisoned first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
