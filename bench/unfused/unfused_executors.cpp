@@ -70,6 +70,8 @@ Status require_dense_experts(const ExpertWeights& w) {
 }  // namespace
 
 Status UnfusedForward::create(const LayerWorkspace& ws, std::unique_ptr<UnfusedForward>* out) {
+  if (ws.config.dtype != DType::kBF16)
+    return error_status(StatusCode::kNotImplemented, "the unfused forward is bf16 only");
   std::unique_ptr<UnfusedForward> f(new UnfusedForward());
   const int64_t rows = ws.max_rows, H = ws.config.hidden, I = ws.config.intermediate;
   f->bytes_ = static_cast<int64_t>(sizeof(__nv_bfloat16)) * rows * (2 * H + I);
@@ -123,6 +125,8 @@ Status UnfusedBackward::create(const LayerWorkspace& ws, int32_t side_sms,
                                std::unique_ptr<UnfusedBackward>* out) {
   if (!ws.config.with_backward)
     return invalid_argument("the unfused backward needs a layer created with_backward");
+  if (ws.config.dtype != DType::kBF16)
+    return error_status(StatusCode::kNotImplemented, "the unfused backward is bf16 only");
   if (ws.plan.saved_gate_up_rows < ws.max_rows)
     return invalid_argument("the unfused backward reads every routed row's g | u from the "
                             "context: it needs LayerConfig::saved_gate_up_rows >= the pull "
