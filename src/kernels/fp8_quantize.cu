@@ -231,6 +231,66 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// One CTA per 128 x 128 tile of x (rows r0.., columns c0..): the tile through shared memory;
+// thread t takes column c0 + t % 128, rows t / 128 * 64 .. + 63: the amax of its 64 values, then
+// the column's (k128x1) or the tile's (k128x128) through shared memory, then 64 e4m3 bytes as four
+// 16-byte stores into the transposed row c of q.
+template <TransposedScaling kScaling>
+__global__ void __launch_bounds__(kBlockThreads)
+    quantize_transposed_kernel(const __nv_bfloat16* x, int64_t ld, int64_t max_rows,
+                               const int64_t* rows_on_device, int64_t cols, bool pow2, uint8_t* q,
+                               float* block_scales) {
+  constexpr int kB = fp8::kBlock;
+  const int64_t r0 = int64_t{blockIdx.y} * kB, c0 = int64_t{blockIdx.x} * kB;
+  if (r0 >= *rows_on_device) return;
+  __shared__ __nv_bfloat16 tile[kB][kB + 8];
+  __shared__ float amax_of[2][kB];
+  for (int i = threadIdx.x; i < kB * kB / 8; i += kBlockThreads) {
+    const int r = i / (kB / 8), ch = i % (kB / 8);
+    *reinterpret_cast<uint4*>(&tile[r][ch * 8]) =
+        *reinterpret_cast<const uint4*>(x + (r0 + r) * ld + c0 + ch * 8);
+  }
+  __syncthreads();
+  const int col = threadIdx.x % kB, half = threadIdx.x / kB;
+  float v[kB / 2], m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kB / 2; ++i) {
+    v[i] = __bfloat162float(tile[half * kB / 2 + i][col]);
+    m = fp8::amax_nan(m, fabsf(v[i]));
+  }
+  amax_of[half][col] = m;
+  __syncthreads();
+  if constexpr (kScaling == TransposedScaling::k128x1) {
+    m = fp8::amax_nan(amax_of[0][col], amax_of[1][col]);
+  } else {
+    if (threadIdx.x < 32) {  // the tile's amax: a warp over the 256 partial ones
+      float t = 0.0f;
+      for (int i = threadIdx.x; i < 2 * kB; i += 32) t = fp8::amax_nan(t, amax_of[i / kB][i % kB]);
+      for (int off = 16; off > 0; off /= 2) t = fp8::amax_nan(t, __shfl_xor_sync(0xffffffffu, t, off));
+      if (threadIdx.x == 0) amax_of[0][0] = t;
+    }
+    __syncthreads();
+    m = amax_of[0][0];
+  }
+  const float scale = fp8::block_scale(m, pow2);
+  const int64_t row_bytes =
+      kScaling == TransposedScaling::k128x1 ? fp8::packed_row_bytes(max_rows) : max_rows;
+  uint8_t* dst = q + (c0 + col) * row_bytes + r0 + half * kB / 2;
+#pragma unroll
+  for (int chunk = 0; chunk < kB / 2 / 16; ++chunk) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = fp8::quantize_quad(v + chunk * 16 + k * 4, scale);
+    reinterpret_cast<uint4*>(dst)[chunk] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  if constexpr (kScaling == TransposedScaling::k128x1) {
+    if (half == 0)
+      reinterpret_cast<float*>(q + (c0 + col) * row_bytes + max_rows)[r0 / kB] = scale;
+  } else {
+    if (threadIdx.x == 0) block_scales[(c0 / kB) * (max_rows / kB) + r0 / kB] = scale;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_quantize_rows_1x128(const __nv_bfloat16* x, int64_t rows, int64_t cols,
@@ -292,6 +352,28 @@ cudaError_t launch_dequantize_rows_1x128(const uint8_t* packed, int64_t max_rows
   dequantize_rows_kernel<<<static_cast<unsigned>(needed < ctas ? needed : ctas), kRowThreads, 0,
                            stream>>>(packed, fp8::packed_row_bytes(cols), rows_on_device, cols,
                                      out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_quantize_transposed(const __nv_bfloat16* x, int64_t ld, int64_t max_rows,
+                                       const int64_t* rows_on_device, int64_t cols,
+                                       TransposedScaling scaling, bool pow2, uint8_t* q,
+                                       float* block_scales, cudaStream_t stream) {
+  constexpr int64_t kB = fp8::kBlock;
+  if (max_rows < 0 || max_rows % kB != 0 || cols <= 0 || cols % kB != 0 || ld < cols ||
+      ld % 8 != 0 || max_rows / kB > 65535 ||
+      (max_rows > 0 && (!x || !rows_on_device || !q ||
+                        (scaling == TransposedScaling::k128x128 && !block_scales))) ||
+      reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 16 != 0)
+    return cudaErrorInvalidValue;
+  if (max_rows == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(cols / kB), static_cast<unsigned>(max_rows / kB));
+  if (scaling == TransposedScaling::k128x1)
+    quantize_transposed_kernel<TransposedScaling::k128x1><<<grid, kBlockThreads, 0, stream>>>(
+        x, ld, max_rows, rows_on_device, cols, pow2, q, block_scales);
+  else
+    quantize_transposed_kernel<TransposedScaling::k128x128><<<grid, kBlockThreads, 0, stream>>>(
+        x, ld, max_rows, rows_on_device, cols, pow2, q, block_scales);
   return cudaGetLastError();
 }
 
