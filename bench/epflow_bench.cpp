@@ -638,6 +638,8 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   c.with_backward = with_backward || backward_grads != nullptr;
   std::unique_ptr<LayerCore> layer;  // the public Layer's core, with hooks and executors
   EPFLOW_RETURN_IF_ERROR(LayerCore::create(c, comm, &layer));
+  if (o.fp8_wgrad && c.dtype == DType::kFP8Blockwise && c.with_backward)
+    EPFLOW_RETURN_IF_ERROR(layer->set_fp8_weight_gradients(true));
   if (v.unfused) {
     std::unique_ptr<bench::UnfusedForward> unfused;
     EPFLOW_RETURN_IF_ERROR(bench::UnfusedForward::create(layer->workspace(), &unfused));
@@ -1647,7 +1649,8 @@ int run_gpu(const Options& o, int devices) {
                << join_numbers(per_repeat(variant_reps[v], &RankResult::train_step_us), ", ", 2)
                << "]";
           if (fp8_layer)
-            json << ", \"train_step_quantize_us\": " << json_num(ts.train_step_quantize_us);
+            json << ", \"train_step_quantize_us\": " << json_num(ts.train_step_quantize_us)
+                 << ", \"weight_gradients\": \"" << (o.fp8_wgrad ? "fp8" : "bf16") << "\"";
           json << ", \"backward_bytes\": " << b.memory.backward_bytes
                << ", \"saved_context_bytes\": " << b.saved_context_bytes
                << ", \"saved_gate_up_rows\": " << b.plan.saved_gate_up_rows

@@ -101,6 +101,14 @@ Status LayerCore::set_backward_comm_sms(int32_t comm_sms) {
   return Status::ok_status();
 }
 
+Status LayerCore::set_fp8_weight_gradients(bool on) {
+  if (on && !(config().dtype == DType::kFP8Blockwise && config().with_backward))
+    return invalid_argument("FP8 weight gradients need an fp8-blockwise layer created "
+                            "with_backward");
+  ws_->fp8_weight_gradients = on;
+  return Status::ok_status();
+}
+
 MemoryReport LayerCore::memory() const { return ws_->shared->memory(); }
 
 int64_t LayerCore::saved_context_bytes() const {

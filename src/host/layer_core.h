@@ -47,6 +47,9 @@ class LayerCore {
   void set_backward_executor(std::unique_ptr<BackwardExecutor> executor);
   // The fused backward's communication SMs, in [1, sm_count) (default: the runtime plan's).
   Status set_backward_comm_sms(int32_t comm_sms);
+  // An FP8 training layer's weight gradients in FP8 (on) or bf16 (off, the default), while the
+  // two are measured (docs/design/fp8_backward.md).
+  Status set_fp8_weight_gradients(bool on);
 
   LayerWorkspace& workspace() { return *ws_; }
   const std::shared_ptr<SharedWorkspace>& shared_workspace() const { return ws_->shared; }

@@ -94,9 +94,12 @@ Status LayerWorkspace::create(const LayerConfig& config, std::shared_ptr<SharedW
     b.ring.rows = sched::round_up(ws->max_rows, ws->plan.minibatch_rows);
     const int64_t H = c.hidden, I = c.intermediate, rows = b.ring.rows;
     ws->backward_rows_bytes_ = sizeof(__nv_bfloat16) * rows * (2 * H + 3 * I);
-    if (c.dtype == DType::kFP8Blockwise)  // the packed x and [dg | du] rows
-      ws->backward_rows_bytes_ +=
-          rows * (fp8::packed_row_bytes(H) + fp8::packed_row_bytes(2 * I));
+    if (c.dtype == DType::kFP8Blockwise) {
+      // The packed x and [dg | du] rows, then the FP8 weight gradients' operands.
+      ws->backward_rows_bytes_ = aligned(
+          ws->backward_rows_bytes_ + rows * (fp8::packed_row_bytes(H) + fp8::packed_row_bytes(2 * I)));
+      for (size_t bytes : ws->fp8_wgrad_operand_bytes()) ws->backward_rows_bytes_ += aligned(bytes);
+    }
     ws->backward_rows_bytes_ = aligned(ws->backward_rows_bytes_);
     ws->backward_partial_bytes_ = aligned(sizeof(float) * rows * kernels::backward_dh_tiles(I));
     b.ring.counter_bytes =
@@ -108,6 +111,14 @@ Status LayerWorkspace::create(const LayerConfig& config, std::shared_ptr<SharedW
   ws->carve();
   *out = std::move(ws);
   return Status::ok_status();
+}
+
+std::array<size_t, 6> LayerWorkspace::fp8_wgrad_operand_bytes() const {
+  const int64_t H = config.hidden, I = config.intermediate, rows = backward.ring.rows;
+  const int64_t packed = fp8::packed_row_bytes(rows), scales = rows / fp8::kBlock * 4;
+  return {size_t(H * packed),        size_t(2 * I * packed),      size_t(I * rows),
+          size_t(H * rows),          size_t(I / fp8::kBlock * scales),
+          size_t(H / fp8::kBlock * scales)};
 }
 
 SharedWorkspace::Needs LayerWorkspace::needs() const {
@@ -145,6 +156,18 @@ void LayerWorkspace::carve() {
     if (config.dtype == DType::kFP8Blockwise) {
       b.x_fp8 = reinterpret_cast<uint8_t*>(q);
       b.dgu_fp8 = b.x_fp8 + rows * fp8::packed_row_bytes(H);
+      char* at = s.backward() +
+                 aligned(sizeof(__nv_bfloat16) * rows * (2 * H + 3 * I) +
+                         rows * (fp8::packed_row_bytes(H) + fp8::packed_row_bytes(2 * I)));
+      void** parts[6] = {reinterpret_cast<void**>(&b.dy_t), reinterpret_cast<void**>(&b.dgu_t),
+                         reinterpret_cast<void**>(&b.wh_t), reinterpret_cast<void**>(&b.x_t),
+                         reinterpret_cast<void**>(&b.wh_t_scales),
+                         reinterpret_cast<void**>(&b.x_t_scales)};
+      const auto sizes = fp8_wgrad_operand_bytes();
+      for (int i = 0; i < 6; ++i) {
+        *parts[i] = at;
+        at += aligned(sizes[i]);
+      }
     }
     char* base = s.backward();
     b.dw_partial = reinterpret_cast<float*>(base + backward_rows_bytes_);

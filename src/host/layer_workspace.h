@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 
@@ -50,6 +51,15 @@ struct BackwardRows {
   // packed dy rows, and ring.h and x the bf16 operands of the weight gradients.
   uint8_t* x_fp8 = nullptr;
   uint8_t* dgu_fp8 = nullptr;
+  // FP8 only, the FP8 weight gradients' operands (launch_quantize_transposed): dy and [dg | du]
+  // transposed as packed rows by 128 x 1 blocks ([H | 2I, packed_row_bytes(rows)]), w·h and x
+  // transposed by 128 x 128 blocks ([I | H, rows] with scales [I | H / 128, rows / 128]).
+  uint8_t* dy_t = nullptr;
+  uint8_t* dgu_t = nullptr;
+  uint8_t* wh_t = nullptr;
+  uint8_t* x_t = nullptr;
+  float* wh_t_scales = nullptr;
+  float* x_t_scales = nullptr;
 };
 
 struct LayerWorkspace {
@@ -68,6 +78,9 @@ struct LayerWorkspace {
   int64_t* tokens = nullptr;                // device [world]: each rank's T of the current call
   uint64_t* epoch = nullptr;                // device: the barrier epoch
   RingBuffers ring;                         // the forward megakernel's
+  // FP8 training layers: the weight gradients in FP8 instead of bf16 (an internal knob while the
+  // two are measured: LayerCore::set_fp8_weight_gradients).
+  bool fp8_weight_gradients = false;
   BackwardRows backward;                    // LayerConfig::with_backward only
   void* inference_schedule = nullptr;       // the schedule buffer of forwards that keep nothing
   DeviceReports reports;
@@ -108,6 +121,8 @@ struct LayerWorkspace {
   uint64_t generation_ = 0;
   size_t ring_x_bytes_ = 0, ring_h_bytes_ = 0, ring_counter_bytes_ = 0;
   size_t backward_rows_bytes_ = 0, backward_partial_bytes_ = 0, overflow_bytes_ = 0;
+  // FP8: bytes of BackwardRows' dy_t, dgu_t, wh_t, x_t, wh_t_scales, x_t_scales.
+  std::array<size_t, 6> fp8_wgrad_operand_bytes() const;
 };
 
 }  // namespace epflow
