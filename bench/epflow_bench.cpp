@@ -408,10 +408,11 @@ Status write_trace(const BenchHooks& hooks, int32_t comm_ctas, int rank, const s
 // out->forward_saving_us), then warmup + iters forward-backward pairs with an event at each stage
 // boundary of the backward (a context serves one backward; medians in out->backward_us and
 // out->backward_stage_us), then warmup + iters training steps, forward and backward timed as one
-// (out->train_step_us).
+// (out->train_step_us); with knobs, the backward again at each count of the A/B flags
+// (--backward-comm-sms, --backward-side-sms, --backward-unfused).
 Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const LayerConfig& c,
                      int64_t T, const Options& o, cudaStream_t stream, RankResult* out,
-                     const std::string& trace_path) {
+                     const std::string& trace_path, bool knobs) {
   EPFLOW_RETURN_IF_ERROR(data.create_grads(c, T,
                                             o.fp32_grads ? GradDType::kFP32 : GradDType::kBF16,
                                             o.seed, layer.saved_context_bytes(), stream,
@@ -479,6 +480,7 @@ Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const 
   if (!trace_path.empty())
     EPFLOW_RETURN_IF_ERROR(write_trace(hooks, layer.workspace().plan.backward_comm_sms,
                                        c.ep_rank, trace_path, true));
+  if (!knobs) return Status::ok_status();
   // The backward again with each SM count of an A/B knob: set(count) installs the executor.
   auto ab = [&](const std::vector<int64_t>& counts, const std::function<Status(int32_t)>& set,
                 std::vector<double>* times) -> Status {
@@ -623,11 +625,13 @@ Status settle(const std::function<Status()>& call, const Options& o, ncclComm_t 
 // interleave_rows > 0: after each layer call, the dense cuBLAS yardstick over that many rows runs
 // on the same stream, timed apart (its median lands in out->interleaved_dense_tflops).
 // backward_grads (--check): then run_checked_backward into it (and into unfused_backward_grads).
+// with_backward: time the backward too; backward_knobs: and its A/B flags' variants.
 Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
                          const std::vector<bench::Routing>& routing, int64_t T, const Options& o,
                          ncclComm_t comm, const std::vector<int64_t>& checked, RankResult* out,
                          std::vector<float>* y_rows, const std::string& trace_path = "",
                          int64_t interleave_rows = 0, bool with_backward = false,
+                         bool backward_knobs = false,
                          reference::RankGrads* backward_grads = nullptr,
                          reference::RankGrads* unfused_backward_grads = nullptr) {
   LayerConfig c = base;
@@ -699,7 +703,8 @@ Status bench_epflow_rank(const LayerConfig& base, const Variant& v,
   if (with_backward)
     EPFLOW_RETURN_IF_ERROR(time_backward(
         *layer, hooks, data, c, T, o, stream.get(), out,
-        trace_path.empty() ? "" : trace_path.substr(0, trace_path.size() - 4) + "-bwd.csv"));
+        trace_path.empty() ? "" : trace_path.substr(0, trace_path.size() - 4) + "-bwd.csv",
+        backward_knobs));
   EPFLOW_RETURN_IF_ERROR(fetch_rows(data.args().y, checked, c.hidden, stream.get(), y_rows));
   if (backward_grads == nullptr) return Status::ok_status();
   return run_checked_backward(*layer, data, c, T, o.seed, stream.get(), backward_grads,
@@ -1378,7 +1383,7 @@ int run_gpu(const Options& o, int devices) {
             const bool checked_backward = v == (o.fp8 ? 1 : 0) && check_backward;
             EPFLOW_RETURN_IF_ERROR(bench_epflow_rank(
                 rc, variants[v], routing, T, o, comm, checked, &r, &y_variant[v][rank], trace,
-                interleave_rows, timed_backward(v),
+                interleave_rows, timed_backward(v), v == 0,
                 checked_backward ? &backward_got[rank] : nullptr,
                 checked_backward && unfused_baseline ? &unfused_backward_got[rank] : nullptr));
             keep_times(r, &variant_results[v][rank]);

@@ -73,7 +73,8 @@ def unsupported_settings(config):
     refuse("moe_mlp_glu_interleave_size", "gate and up rows must be blocks, not interleaved",
            getattr(config, "moe_mlp_glu_interleave_size", None) is None)
     refuse("params_dtype", "bf16 parameters", config.params_dtype == torch.bfloat16)
-    refuse("fp8", "EPFlow's FP8 layer is inference only", not config.fp8)
+    refuse("fp8", "Megatron's FP8 recipes are not supported (EPFlow's own FP8 layer, "
+           "epflow.MoELayer(dtype='fp8'), is not wired into this integration)", not config.fp8)
     refuse("fp4", "not supported", not getattr(config, "fp4", None))
     refuse("moe_apply_probs_on_input", "not supported", not config.moe_apply_probs_on_input)
     refuse("moe_latent_size", "not supported", not getattr(config, "moe_latent_size", None))
