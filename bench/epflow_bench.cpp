@@ -187,9 +187,7 @@ class RankData {
   Status quantize_weights(const LayerConfig& c, int warmup, int iters, cudaStream_t stream,
                           double* us) {
     const int64_t bytes = fp8_expert_weights_bytes(c);
-    uint8_t* buffer = nullptr;
-    EPFLOW_RETURN_IF_ERROR(alloc(&buffer, bytes, "cudaMalloc (FP8 weights)"));
-    fp8_buffer_ = buffer;
+    EPFLOW_RETURN_IF_ERROR(alloc(&fp8_buffer_, bytes, "cudaMalloc (FP8 weights)"));
     fp8_bytes_ = bytes;
     std::vector<double> ms;
     cudaEvent_t start = nullptr, end = nullptr;
@@ -198,9 +196,7 @@ class RankData {
     Status s = Status::ok_status();
     for (int i = 0; i < warmup + iters && s.ok(); ++i) {
       s = cuda_status(cudaEventRecord(start, stream), "cudaEventRecord");
-      if (s.ok())
-        s = quantize_expert_weights(c, args_.weights, c.fp8_power_of_two_scales, buffer, bytes,
-                                    &args_.weights.fp8, stream);
+      if (s.ok()) s = requantize_weights(c, stream);
       if (s.ok()) s = cuda_status(cudaEventRecord(end, stream), "cudaEventRecord");
       if (s.ok()) s = cuda_status(cudaEventSynchronize(end), "quantize_expert_weights");
       float v = 0;
@@ -212,8 +208,8 @@ class RankData {
     if (s.ok()) *us = median(ms) * 1e3;
     return s;
   }
-  // The FP8 training step's re-quantization after an optimizer step: quantize_expert_weights
-  // again into the buffer quantize_weights made (stream-ordered, untimed here).
+  // quantize_expert_weights into the buffer quantize_weights made (the FP8 training step's
+  // re-quantization after an optimizer step; stream-ordered, untimed here).
   Status requantize_weights(const LayerConfig& c, cudaStream_t stream) {
     return quantize_expert_weights(c, args_.weights, c.fp8_power_of_two_scales, fp8_buffer_,
                                    fp8_bytes_, &args_.weights.fp8, stream);

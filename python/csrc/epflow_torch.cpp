@@ -98,6 +98,8 @@ void check_status(const epflow::Status& s, const char* what) {
 }
 
 class Handle;
+struct Named;        // an input tensor and its name (check_output)
+struct ForwardCall;  // a checked call's device and ForwardArgs
 
 epflow::DType parse_dtype(const std::string& dtype) {
   TORCH_CHECK(dtype == "bf16" || dtype == "fp8", "EPFlow: dtype must be \"bf16\" or \"fp8\", got \"",
@@ -262,6 +264,10 @@ class Handle : public torch::CustomClassHolder {
                                                 const at::Tensor& topk_weights,
                                                 std::vector<at::Tensor> fp8_weights,
                                                 at::Tensor y, at::Tensor buffer);
+  // Layer::forward of a prepared call into a context over `buffer` (checked against `inputs`).
+  c10::intrusive_ptr<Context> forward_keeping_context(const ForwardCall& call,
+                                                      const at::Tensor& buffer,
+                                                      std::initializer_list<Named> inputs);
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       const c10::intrusive_ptr<Context>& context, const at::Tensor& buffer, const at::Tensor& dy,
       const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
@@ -618,17 +624,10 @@ c10::intrusive_ptr<Context> Handle::forward_train(const at::Tensor& x,
   ForwardCall call =
       forward_call(*this, x, topk_idx, topk_weights, w_gate, w_up, w_down, weights_reversed);
   bind_y(call, y, x, topk_idx, topk_weights, w_gate, w_up, w_down);
-  check_context_buffer(buffer, layer_->saved_context_bytes(), call.device);
-  check_output(buffer, "buffer", at::kByte, buffer.sizes(), call.device,
-               {{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights},
-                {"w_gate", &w_gate}, {"w_up", &w_up}, {"w_down", &w_down}, {"y", &y}});
-  c10::cuda::CUDAGuard guard(call.device);
-  auto context = c10::make_intrusive<Context>();
-  context->saved.buffer = buffer.data_ptr();
-  context->saved.buffer_bytes = buffer.numel();
-  check_status(layer_->forward(call.args, current_stream(call.device), &context->saved),
-               "forward");
-  return context;
+  return forward_keeping_context(call, buffer,
+                                 {{"x", &x}, {"topk_idx", &topk_idx},
+                                  {"topk_weights", &topk_weights}, {"w_gate", &w_gate},
+                                  {"w_up", &w_up}, {"w_down", &w_down}, {"y", &y}});
 }
 
 c10::intrusive_ptr<Context> Handle::forward_train_fp8(const at::Tensor& x,
@@ -645,14 +644,21 @@ c10::intrusive_ptr<Context> Handle::forward_train_fp8(const at::Tensor& x,
   check_output(y, "y", at::kBFloat16, x.sizes(), device,
                {{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}});
   call.args.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
-  check_context_buffer(buffer, layer_->saved_context_bytes(), device);
-  check_output(buffer, "buffer", at::kByte, buffer.sizes(), device,
-               {{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}, {"y", &y}});
-  c10::cuda::CUDAGuard guard(device);
+  return forward_keeping_context(
+      call, buffer,
+      {{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}, {"y", &y}});
+}
+
+c10::intrusive_ptr<Context> Handle::forward_keeping_context(
+    const ForwardCall& call, const at::Tensor& buffer, std::initializer_list<Named> inputs) {
+  check_context_buffer(buffer, layer_->saved_context_bytes(), call.device);
+  check_output(buffer, "buffer", at::kByte, buffer.sizes(), call.device, inputs);
+  c10::cuda::CUDAGuard guard(call.device);
   auto context = c10::make_intrusive<Context>();
   context->saved.buffer = buffer.data_ptr();
   context->saved.buffer_bytes = buffer.numel();
-  check_status(layer_->forward(call.args, current_stream(device), &context->saved), "forward");
+  check_status(layer_->forward(call.args, current_stream(call.device), &context->saved),
+               "forward");
   return context;
 }
 

@@ -77,11 +77,8 @@ cudaError_t launch_backward_megakernel(const MegakernelArgs& a, int32_t sm_count
       !a.x_out || a.gate_up_out)
     return cudaErrorInvalidValue;
   if (a.fp8) {
-    // FP8 K blocks are 128 wide; [dg | du]'s blocks must not straddle dg and du.
     megakernel::Maps m;
-    if (a.hidden % fp8::kBlock != 0 || a.intermediate % fp8::kBlock != 0 ||
-        a.hidden / fp8::kBlock > fp8::kMaxKBlocks ||
-        2 * a.intermediate / fp8::kBlock > fp8::kMaxKBlocks || !a.dgu_out ||
+    if (!megakernel::fp8_shape_ok<megakernel::Fp8BackwardPass>(a) || !a.dgu_out ||
         !a.w_gate_up_t_fp8 || !a.w_down_t_fp8 || !a.w_gate_up_t_scales || !a.w_down_t_scales ||
         !megakernel::encode_fp8_backward_maps(a, &m))
       return cudaErrorInvalidValue;

@@ -70,13 +70,9 @@ cudaError_t launch_forward_megakernel(const MegakernelArgs& a, int32_t sm_count,
   using megakernel::ForwardPass;
   if (!megakernel::valid_args(a, sm_count)) return cudaErrorInvalidValue;
   if (a.fp8) {
-    // FP8 K blocks are 128 wide.
     megakernel::Maps m;
-    if (a.hidden % fp8::kBlock != 0 || a.intermediate % fp8::kBlock != 0 ||
-        a.hidden / fp8::kBlock > fp8::kMaxKBlocks ||
-        a.intermediate / fp8::kBlock > fp8::kMaxKBlocks ||
-        !a.w_gate_scales || !a.w_up_scales || !a.w_down_scales ||
-        !megakernel::encode_fp8_forward_maps(a, &m))
+    if (!megakernel::fp8_shape_ok<megakernel::Fp8ForwardPass>(a) || !a.w_gate_scales ||
+        !a.w_up_scales || !a.w_down_scales || !megakernel::encode_fp8_forward_maps(a, &m))
       return cudaErrorInvalidValue;
     return megakernel::launch<megakernel::Fp8ForwardPass>(m, a, sm_count, stream);
   }

@@ -88,6 +88,16 @@ inline bool valid_args(const MegakernelArgs& a, int32_t sm_count) {
          a.comm_ctas < sm_count;
 }
 
+// FP8 (P::kOperands): H and I whole 128-wide K blocks (so [dg | du]'s blocks do not straddle dg
+// and du either), and both GEMMs' K (H, and P::kDownKParts * I) within the K blocks a tile's
+// weight scales keep in shared memory.
+template <class P>
+inline bool fp8_shape_ok(const MegakernelArgs& a) {
+  return a.hidden % fp8::kBlock == 0 && a.intermediate % fp8::kBlock == 0 &&
+         a.hidden / fp8::kBlock <= fp8::kMaxKBlocks &&
+         P::kDownKParts * a.intermediate / fp8::kBlock <= fp8::kMaxKBlocks;
+}
+
 // FP8 packed rows [n_rows, packed_row_bytes(cols)] as a GEMM's row operand: the e4m3 values in
 // boxes of one 128-wide K block by 128 rows and by 16 rows (grouped_gemm.cuh's row maps), and
 // the scales after them as bytes, four K blocks' of a tile's rows per box (gemm::Fp8ScaleLoads).
