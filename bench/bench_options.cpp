@@ -179,8 +179,6 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
       o->backward_unfused = true;
     } else if (flag == "--accumulate-grads") {
       o->accumulate_grads = true;
-    } else if (flag == "--fp8-wgrad") {
-      o->fp8_wgrad = true;
     } else if (flag == "--saved-gate-up-rows") {
       o->saved_gate_up_rows = whole_numbers(value(), 1, kInt64Max).at(0);
     } else if (flag == "--preset") {
@@ -255,7 +253,6 @@ void parse_into(int argc, const char* const* argv, Options* o, bool* help) {
     if (o->accumulate_grads) fail("--accumulate-grads needs --backward");
     if (o->saved_gate_up_rows > 0) fail("--saved-gate-up-rows needs --backward");
   }
-  if (o->fp8_wgrad && !(o->fp8 && o->backward)) fail("--fp8-wgrad needs --dtype fp8 --backward");
   if (o->fp8 && (o->backward_unfused || !o->backward_side_sms.empty()))
     fail("--dtype fp8: the unfused backward is bf16 only");
   if (!o->json.empty())
@@ -304,7 +301,6 @@ std::string usage_text() {
          "                    [--ring-rows R[,R...]] [--trace PREFIX]\n"
          "                    [--yardstick at-once|one-by-one|interleaved] [--backward]\n"
          "                    [--grad-dtype bf16|fp32] [--accumulate-grads] [--saved-gate-up-rows N]\n"
-         "                    [--fp8-wgrad]\n"
          "                    [--backward-unfused] [--dtype bf16|fp8]\n"
          "                    [--backward-side-sms N[,N...]] [--backward-comm-sms N[,N...]]\n"
          "  --preset     model shapes (default deepseek-v3 on GPUs, tiny on the CPU reference):\n"
@@ -331,8 +327,7 @@ std::string usage_text() {
          "  --backward   also time EPFlow's backward and its stages (dy = x, weight gradients\n"
          "               written in --grad-dtype bf16|fp32, default bf16 like the PyTorch baseline)\n"
          "  --accumulate-grads  the backward adds into the weight gradients (gradient\n"
-         "               accumulation) instead of writing them\n"         "  --fp8-wgrad  with --dtype fp8 --backward: the FP8 layer's weight gradients in FP8\n"
-         "               (operands quantized along the tokens) instead of bf16\n"
+         "               accumulation) instead of writing them\n"
          "  --saved-gate-up-rows N  rows of g|u a forward's context keeps (default: balanced\n"
          "               routing + 25%); the backward recomputes the rest\n"
          "  --backward-unfused  also time the unfused backward (separate kernels) and its stages\n"

@@ -48,9 +48,6 @@ struct Options {
   // --accumulate-grads: the backward adds into the weight gradients (accumulate_weight_grads, as
   // gradient accumulation over micro-batches runs it) instead of writing them.
   bool accumulate_grads = false;
-  // --fp8-wgrad: the FP8 layer's weight gradients in FP8 (LayerCore::set_fp8_weight_gradients)
-  // instead of bf16.
-  bool fp8_wgrad = false;
   // --saved-gate-up-rows: LayerConfig::saved_gate_up_rows (0: the default; rows past it are
   // recomputed by the backward).
   int64_t saved_gate_up_rows = 0;

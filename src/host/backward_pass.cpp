@@ -71,13 +71,10 @@ Status recompute_gate_up_overflow(const LayerWorkspace& ws, const SavedActivatio
   return Status::ok_status();
 }
 
-}  // namespace
-
-namespace {
-
 // The FP8 weight gradients (LayerWorkspace::fp8_weight_gradients): each operand quantized along
-// the tokens and written transposed (dy, [dg | du]: 128 x 1; w·h, x: 128 x 128; from their bf16
-// rows, dy and x dequantized into the x buffer in turn), then the K-grouped FP8 GEMMs.
+// the tokens and written transposed (dy, [dg | du]: 128 x 1; w·h, x: 128 x 128; dy and x from
+// their packed rows, [dg | du] and w·h from bf16), then the K-grouped FP8 GEMMs: d W_down's
+// operands first, then d W_gate's and d W_up's into the same buffers (BackwardRows).
 Status fp8_weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
                             const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream) {
   const int64_t H = ws.config.hidden, I = ws.config.intermediate;
@@ -91,9 +88,9 @@ Status fp8_weight_gradients(const LayerWorkspace& ws, const SavedActivations& ac
     return kernels::launch_quantize_transposed(rows, ld, cap, table_rows, cols, sc, pow2, q,
                                                scales, stream);
   };
-  auto dequantize = [&](const uint8_t* packed) {
-    return kernels::launch_dequantize_rows_1x128(packed, ws.max_rows, table_rows, H, b.x,
-                                                 4 * ws.sm_count, stream);
+  auto requantize = [&](const uint8_t* packed, TransposedScaling sc, uint8_t* q, float* scales) {
+    return kernels::launch_requantize_transposed(packed, cap, table_rows, H, sc, pow2, q, scales,
+                                                 stream);
   };
   kernels::Fp8ExpertWgradArgs wg;
   wg.segments = kernels::ExpertSegments{ws.config.experts_per_rank(), cap,
@@ -112,14 +109,13 @@ Status fp8_weight_gradients(const LayerWorkspace& ws, const SavedActivations& ac
     wg.dw_expert_stride = dw_expert_stride;
     return kernels::launch_fp8_expert_wgrad(wg, stream);
   };
-  EPFLOW_CUDA_RETURN(dequantize(reinterpret_cast<const uint8_t*>(b.ring.x)));
-  EPFLOW_CUDA_RETURN(quantize(b.x, H, H, TransposedScaling::k128x1, b.dy_t, nullptr));
+  EPFLOW_CUDA_RETURN(requantize(reinterpret_cast<const uint8_t*>(b.ring.x),
+                                TransposedScaling::k128x1, b.dy_t, nullptr));
   EPFLOW_CUDA_RETURN(
       quantize(b.wh, I, I, TransposedScaling::k128x128, b.wh_t, b.wh_t_scales));
   EPFLOW_CUDA_RETURN(
       gemm(b.dy_t, H, b.wh_t, b.wh_t_scales, I, args.d_down, args.d_down_expert_stride));
-  EPFLOW_CUDA_RETURN(dequantize(b.x_fp8));
-  EPFLOW_CUDA_RETURN(quantize(b.x, H, H, TransposedScaling::k128x128, b.x_t, b.x_t_scales));
+  EPFLOW_CUDA_RETURN(requantize(b.x_fp8, TransposedScaling::k128x128, b.x_t, b.x_t_scales));
   EPFLOW_CUDA_RETURN(quantize(b.ring.h, 2 * I, 2 * I, TransposedScaling::k128x1, b.dgu_t, nullptr));
   const int64_t dgu_row = fp8::packed_row_bytes(cap);
   EPFLOW_CUDA_RETURN(

@@ -102,9 +102,9 @@ Status LayerCore::set_backward_comm_sms(int32_t comm_sms) {
 }
 
 Status LayerCore::set_fp8_weight_gradients(bool on) {
-  if (on && !(config().dtype == DType::kFP8Blockwise && config().with_backward))
-    return invalid_argument("FP8 weight gradients need an fp8-blockwise layer created "
-                            "with_backward");
+  if (!(config().dtype == DType::kFP8Blockwise && config().with_backward))
+    return invalid_argument("the weight gradients' precision is a choice of fp8-blockwise "
+                            "layers created with_backward only");
   ws_->fp8_weight_gradients = on;
   return Status::ok_status();
 }

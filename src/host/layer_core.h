@@ -47,8 +47,8 @@ class LayerCore {
   void set_backward_executor(std::unique_ptr<BackwardExecutor> executor);
   // The fused backward's communication SMs, in [1, sm_count) (default: the runtime plan's).
   Status set_backward_comm_sms(int32_t comm_sms);
-  // An FP8 training layer's weight gradients in FP8 (on) or bf16 (off, the default), while the
-  // two are measured (docs/design/fp8_backward.md).
+  // An FP8 training layer's weight gradients in FP8 (on, the default: faster) or in bf16 on the
+  // dequantized dy and x rows (off: what the bench compares them with).
   Status set_fp8_weight_gradients(bool on);
 
   LayerWorkspace& workspace() { return *ws_; }

@@ -63,5 +63,12 @@ cudaError_t launch_quantize_transposed(const __nv_bfloat16* x, int64_t ld, int64
                                        const int64_t* rows_on_device, int64_t cols,
                                        TransposedScaling scaling, bool power_of_two_scales,
                                        uint8_t* q, float* block_scales, cudaStream_t stream);
+// The same from packed rows [max_rows, fp8::packed_row_bytes(cols)] (1 x 128 blocks, 16-byte
+// aligned): bitwise launch_dequantize_rows_1x128 followed by launch_quantize_transposed, in one
+// pass over half the bytes (the FP8 backward's dy and x rows into the weight gradients).
+cudaError_t launch_requantize_transposed(const uint8_t* packed, int64_t max_rows,
+                                         const int64_t* rows_on_device, int64_t cols,
+                                         TransposedScaling scaling, bool power_of_two_scales,
+                                         uint8_t* q, float* block_scales, cudaStream_t stream);
 
 }  // namespace epflow::kernels
