@@ -125,7 +125,9 @@ __device__ void store_transposed(const uint8_t (*tile)[kTileStride], const Trans
   }
 }
 
-__global__ void __launch_bounds__(kBlockThreads)
+// NOTES: five CTAs per SM (48 registers, no spills): this pass is bandwidth-bound, and its loads
+// in flight per SM are what set its rate.
+__global__ void __launch_bounds__(kBlockThreads, 5)
     quantize_blocks_kernel(const __nv_bfloat16* w, int64_t w_stride, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* q, float* scales, TransposedCopy qt) {
   const int64_t row_blocks = (rows + fp8::kBlock - 1) / fp8::kBlock;
@@ -146,21 +148,26 @@ __global__ void __launch_bounds__(kBlockThreads)
                       reinterpret_cast<uintptr_t>(dst) % 8 == 0;
   const int vcol = 8 * (threadIdx.x % 16), vfirst = threadIdx.x / 16;
   const int col = threadIdx.x % fp8::kBlock, first = threadIdx.x / fp8::kBlock;
-  float v[kVecPasses][8];
+  // NOTES: the rows stay bf16 in registers (half the registers of floats: more CTAs per SM, more
+  // loads in flight for this bandwidth-bound pass); the amax of bf16 magnitudes is exact, NaN
+  // winning as fp8::amax_nan's.
+  uint4 raw[kVecPasses];
   float m = 0.0f;
   if (vector) {
+    __nv_bfloat162 m2 = __float2bfloat162_rn(0.0f);
 #pragma unroll
     for (int p = 0; p < kVecPasses; ++p) {
       const int64_t r = vfirst + kVecRowStep * p;
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (r < nr) raw = *reinterpret_cast<const uint4*>(src + (r0 + r) * cols + c0 + vcol);
-      const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[p][2 * i] = __low2float(pair[i]), v[p][2 * i + 1] = __high2float(pair[i]);
-        m = fp8::amax_nan(m, fp8::amax_nan(fabsf(v[p][2 * i]), fabsf(v[p][2 * i + 1])));
-      }
+      raw[p] = make_uint4(0, 0, 0, 0);
+      if (r < nr) raw[p] = *reinterpret_cast<const uint4*>(src + (r0 + r) * cols + c0 + vcol);
     }
+#pragma unroll
+    for (int p = 0; p < kVecPasses; ++p) {
+      const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw[p]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m2 = __hmax2_nan(m2, __habs2(pair[i]));
+    }
+    m = fp8::amax_nan(__low2float(m2), __high2float(m2));
   } else if (col < nc) {
     for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock)
       m = fp8::amax_nan(m, fabsf(__bfloat162float(src[(r0 + r) * cols + c0 + col])));
@@ -177,8 +184,11 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int p = 0; p < kVecPasses; ++p) {
       const int64_t r = vfirst + kVecRowStep * p;
       if (r >= nr) continue;
-      const uint2 bytes =
-          make_uint2(fp8::quantize_quad(v[p], scale), fp8::quantize_quad(v[p] + 4, scale));
+      const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw[p]);
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[2 * i] = __low2float(pair[i]), v[2 * i + 1] = __high2float(pair[i]);
+      const uint2 bytes = make_uint2(fp8::quantize_quad(v, scale), fp8::quantize_quad(v + 4, scale));
       *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) = bytes;
       if (qt.q)
 #pragma unroll
