@@ -130,7 +130,7 @@ Status fp8_weight_gradients(const LayerWorkspace& ws, const SavedActivations& ac
 Status weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
                         const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream,
                         cudaEvent_t x_rows_in) {
-  if (ws.config.dtype == DType::kFP8Blockwise && ws.fp8_weight_gradients)
+  if (ws.fp8_weight_gradients)
     return fp8_weight_gradients(ws, acts, args, max_ctas, stream);
   const int64_t H = ws.config.hidden, I = ws.config.intermediate;
   const BackwardRows& b = ws.backward;

@@ -66,6 +66,10 @@ struct BackwardRows {
   float* x_t_scales = nullptr;
 };
 
+// An FP8 training layer's weight gradients: by runtime::fp8_weight_gradients_pay (kAuto), always
+// in FP8, or always in bf16 on the dequantized rows (tests and the bench's comparison).
+enum class WgradPrecision { kAuto, kFp8, kBf16 };
+
 struct LayerWorkspace {
   LayerConfig config;
   std::shared_ptr<SharedWorkspace> shared;
@@ -82,9 +86,10 @@ struct LayerWorkspace {
   int64_t* tokens = nullptr;                // device [world]: each rank's T of the current call
   uint64_t* epoch = nullptr;                // device: the barrier epoch
   RingBuffers ring;                         // the forward megakernel's
-  // FP8 training layers: the weight gradients in FP8 (operands quantized along the tokens), or in
-  // bf16 on the dequantized rows (LayerCore::set_fp8_weight_gradients: the bench's comparison).
-  bool fp8_weight_gradients = true;
+  // FP8 training layers: the precision of the weight gradients (LayerCore::set_wgrad_precision),
+  // and what the current backward runs (run_backward resolves kAuto by the call's T).
+  WgradPrecision wgrad_precision = WgradPrecision::kAuto;
+  bool fp8_weight_gradients = false;
   BackwardRows backward;                    // LayerConfig::with_backward only
   void* inference_schedule = nullptr;       // the schedule buffer of forwards that keep nothing
   DeviceReports reports;

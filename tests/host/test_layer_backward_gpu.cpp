@@ -49,7 +49,9 @@ struct GradOptions {
   bool unfused = false;    // the unfused backward (bench/unfused)
   int32_t side_sms = -1;  // unfused: its side-stream SMs (0: none; < 0: its default)
   int32_t comm_sms = 0;   // > 0: the backward megakernel's communication SMs
-  bool bf16_wgrad = false;  // an FP8 layer's weight gradients in bf16 (set_fp8_weight_gradients)
+  // An FP8 layer's weight gradients (set_wgrad_precision): FP8 whatever the row count (the small
+  // shapes here would choose bf16), bf16, or as the layer chooses.
+  WgradPrecision wgrad = WgradPrecision::kFp8;
   // Where the expert weights and the weight gradients lie (the strided layouts read and written
   // in place; whole gradients only).
   testing::ExpertLayout weights = testing::ExpertLayout::kPacked;
@@ -180,8 +182,8 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     }
     if (options.comm_sms > 0)
       if (Status s = layer->set_backward_comm_sms(options.comm_sms); !s.ok()) return s;
-    if (options.bf16_wgrad)
-      if (Status s = layer->set_fp8_weight_gradients(false); !s.ok()) return s;
+    if (c.dtype == DType::kFP8Blockwise)
+      if (Status s = layer->set_wgrad_precision(options.wgrad); !s.ok()) return s;
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
     const int64_t T = in[rank].num_tokens;
     const testing::ExpertPlacement wp = testing::place_experts(options.weights, E, H, I);
@@ -412,7 +414,7 @@ void run_and_check(const LayerConfig& c, const CallInputs& in, const GradOptions
   // FP8 weight gradients round their operands again (128 x 1 and 128 x 128 along the tokens),
   // which the matched reference does not: FP8's own error against both references. (Their
   // kernels are checked bitwise and tightly in test_fp8_quantize_gpu and test_fp8_wgrad_gpu.)
-  const double weight_tol = fp8 && !options.bf16_wgrad ? kFp8VsExact : tol;
+  const double weight_tol = fp8 && options.wgrad != WgradPrecision::kBf16 ? kFp8VsExact : tol;
   const double weight_scale = options.backward_calls;
   for (int r = 0; r < c.ep_size; ++r) {
     SCOPED_TRACE(::testing::Message() << "rank " << r);
@@ -664,7 +666,7 @@ void fp8_bf16_weight_gradients(int world) {
   c.intermediate = 384;
   c.dtype = DType::kFP8Blockwise;
   GradOptions fp8;
-  fp8.bf16_wgrad = true;
+  fp8.wgrad = WgradPrecision::kBf16;
   run_and_check(c, testing::make_call(c, tokens_for(c, 300, 77), Routing::kUniform, 40), fp8);
   run_and_check(c, testing::make_call(c, tokens_for(c, 0, 513), Routing::kImbalanced, 41), fp8);
   run_and_check(c, testing::make_call(c, tokens_for(c, 129, 37), Routing::kWithEmptySlots, 42),
@@ -787,6 +789,7 @@ void check_samples(const LayerConfig& c, const std::vector<reference::RankExpert
   }
   GradOptions options;
   options.dtype = dtype;
+  options.wgrad = WgradPrecision::kAuto;  // FP8: bf16 weight gradients at few rows per expert
   RankGrads got;
   const Status s = run_backward(c, experts, in, dy, options, &got, &sampled);
   ASSERT_TRUE(s.ok()) << s.to_string();
@@ -901,9 +904,10 @@ TEST(LayerBackwardGpu, DeepSeekV3ShapeEp2) {
   deepseek_v3(2);
 }
 
-// The FP8 layer (its weight gradients in FP8) at the DeepSeek-V3 per-rank shape: T = 129 with
-// empty slots, and T = 4096 with imbalanced routing and local expert 3 of every rank emptied
-// (the busiest expert's K past 31 blocks); fp32 weight gradients.
+// The FP8 layer at the DeepSeek-V3 per-rank shape, weight gradients as it chooses: T = 129 with
+// empty slots (bf16 ones: 32 rows per expert), and T = 4096 with imbalanced routing and local
+// expert 3 of every rank emptied (FP8 ones; the busiest expert's K past 31 blocks); fp32 weight
+// gradients.
 void deepseek_v3_fp8(int world) {
   LayerConfig c = deepseek_v3_config(world);
   c.dtype = DType::kFP8Blockwise;
@@ -989,6 +993,8 @@ void run_schedule(const std::vector<LayerConfig>& cs, const std::vector<std::vec
       const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
       const SharedWorkspace::Needs before = shared->capacity();
       if (Status e = LayerCore::create(rc, shared, &L[l].core); !e.ok()) return e;
+      if (c.dtype == DType::kFP8Blockwise)  // FP8 weight gradients at these small shapes too
+        if (Status e = L[l].core->set_wgrad_precision(WgradPrecision::kFp8); !e.ok()) return e;
       // The workspace holds, per purpose, the most any of its layers needs (the window rounded
       // up to NCCL's granularity): a layer whose needs fit adds nothing.
       const SharedWorkspace::Needs need = L[l].core->workspace().needs(), after = shared->capacity();
