@@ -938,35 +938,15 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
   std::vector<RankResult> out = reps.front();
   for (size_t r = 0; r < out.size(); ++r) {
     std::vector<double> v;
-    for (const auto& rep : reps) v.push_back(rep[r].total_us);
-    out[r].total_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].backward_us);
-    out[r].backward_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].forward_saving_us);
-    out[r].forward_saving_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].train_step_us);
-    out[r].train_step_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].train_step_forward_us);
-    out[r].train_step_forward_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].train_step_quantize_us);
-    out[r].train_step_quantize_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].unfused_backward_us);
-    out[r].unfused_backward_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].quantize_weights_us);
-    out[r].quantize_weights_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].other_wgrad_backward_us);
-    out[r].other_wgrad_backward_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].other_wgrad_us);
-    out[r].other_wgrad_us = median(v);
+    for (auto field : {&RankResult::total_us, &RankResult::backward_us,
+                       &RankResult::forward_saving_us, &RankResult::train_step_us,
+                       &RankResult::train_step_forward_us, &RankResult::train_step_quantize_us,
+                       &RankResult::unfused_backward_us, &RankResult::quantize_weights_us,
+                       &RankResult::other_wgrad_backward_us, &RankResult::other_wgrad_us}) {
+      v.clear();
+      for (const auto& rep : reps) v.push_back(rep[r].*field);
+      out[r].*field = median(v);
+    }
     for (auto list : {&RankResult::backward_side_us, &RankResult::backward_comm_us})
       for (size_t i = 0; i < (out[r].*list).size(); ++i) {
         v.clear();

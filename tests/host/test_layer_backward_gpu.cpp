@@ -870,6 +870,17 @@ void check_samples(const LayerConfig& c, const std::vector<reference::RankExpert
   }
 }
 
+// Imbalanced routing (the busiest expert gets nearly every token) with local expert 3 of every
+// rank emptied: an expert without rows at any T.
+CallInputs imbalanced_without_expert_3(const LayerConfig& c, const std::vector<int64_t>& tokens,
+                                       uint64_t seed) {
+  CallInputs in = testing::make_call(c, tokens, Routing::kImbalanced, seed);
+  for (reference::RankInput& r : in)
+    for (int32_t& expert : r.topk_idx)
+      if (expert >= 0 && expert % c.experts_per_rank() == 3) expert = -1;
+  return in;
+}
+
 // The backward at the DeepSeek-V3 per-rank shape on `world` GPUs, checked on samples
 // (check_samples), one set of experts for every case: T = 1 (most experts without rows), T = 129
 // (a partial row tile) with empty slots, T = 4096 with uniform routing and bf16 weight
@@ -886,11 +897,7 @@ void deepseek_v3(int world) {
                 GradDType::kFP32, 42, "T = 129, empty slots");
   check_samples(c, experts, testing::make_call(c, tokens_4096, Routing::kUniform, 33),
                 GradDType::kBF16, 43, "T = 4096, uniform routing, bf16 weight gradients");
-  CallInputs imbalanced = testing::make_call(c, tokens_4096, Routing::kImbalanced, 34);
-  for (reference::RankInput& r : imbalanced)
-    for (int32_t& expert : r.topk_idx)
-      if (expert >= 0 && expert % c.experts_per_rank() == 3) expert = -1;
-  check_samples(c, experts, imbalanced, GradDType::kFP32, 44,
+  check_samples(c, experts, imbalanced_without_expert_3(c, tokens_4096, 34), GradDType::kFP32, 44,
                 "T = 4096, imbalanced routing, local expert 3 of every rank emptied");
 }
 
@@ -915,11 +922,7 @@ void deepseek_v3_fp8(int world) {
   const std::vector<int64_t> tokens_129(world, 129), tokens_4096(world, 4096);
   check_samples(c, experts, testing::make_call(c, tokens_129, Routing::kWithEmptySlots, 35),
                 GradDType::kFP32, 45, "FP8, T = 129, empty slots");
-  CallInputs imbalanced = testing::make_call(c, tokens_4096, Routing::kImbalanced, 36);
-  for (reference::RankInput& r : imbalanced)
-    for (int32_t& expert : r.topk_idx)
-      if (expert >= 0 && expert % c.experts_per_rank() == 3) expert = -1;
-  check_samples(c, experts, imbalanced, GradDType::kFP32, 46,
+  check_samples(c, experts, imbalanced_without_expert_3(c, tokens_4096, 36), GradDType::kFP32, 46,
                 "FP8, T = 4096, imbalanced routing, local expert 3 of every rank emptied");
 }
 
