@@ -86,6 +86,11 @@ struct RankResult {
   double unfused_stage_us[kMaxBackwardStages] = {};
   std::vector<double> backward_side_us;  // --backward-side-sms: the unfused one, each count
   std::vector<double> backward_comm_us;  // --backward-comm-sms: the megakernel, each count
+  // FP8 layer: whether its weight gradients were FP8 (the layer's choice at this T), and its
+  // backward again with them in the other precision, and that stage: what the choice gains.
+  bool fp8_wgrad = false;
+  double other_wgrad_backward_us = 0;
+  double other_wgrad_us = 0;
   MemoryReport memory;  // --backward: the layer's memory (created with_backward)
   int64_t saved_context_bytes = 0;  // --backward: one forward's context
   double quantize_weights_us = 0;   // FP8: quantize_expert_weights of this rank's experts
@@ -477,6 +482,19 @@ Status time_backward(LayerCore& layer, BenchHooks& hooks, RankData& data, const 
     EPFLOW_RETURN_IF_ERROR(write_trace(hooks, layer.workspace().plan.backward_comm_sms,
                                        c.ep_rank, trace_path, true));
   if (!knobs) return Status::ok_status();
+  if (fp8) {  // the FP8 layer's backward again, weight gradients in the precision it did not choose
+    double stages[kMaxBackwardStages];
+    out->fp8_wgrad = runtime::fp8_weight_gradients_pay(c, T);
+    EPFLOW_RETURN_IF_ERROR(layer.set_wgrad_precision(out->fp8_wgrad ? WgradPrecision::kBf16
+                                                                    : WgradPrecision::kFp8));
+    EPFLOW_RETURN_IF_ERROR(run(&out->other_wgrad_backward_us, stages, nullptr));
+    EPFLOW_RETURN_IF_ERROR(layer.set_wgrad_precision(WgradPrecision::kAuto));
+    const auto& names = out->backward_stage_names;
+    const auto at = std::find(names.begin(), names.end(), std::string("weight gradients"));
+    if (at == names.end())
+      return error_status(StatusCode::kInternal, "the backward has no weight gradients stage");
+    out->other_wgrad_us = stages[at - names.begin()];
+  }
   // The backward again with each SM count of an A/B knob: set(count) installs the executor.
   auto ab = [&](const std::vector<int64_t>& counts, const std::function<Status(int32_t)>& set,
                 std::vector<double>* times) -> Status {
@@ -920,29 +938,15 @@ std::vector<RankResult> median_over_repeats(const std::vector<std::vector<RankRe
   std::vector<RankResult> out = reps.front();
   for (size_t r = 0; r < out.size(); ++r) {
     std::vector<double> v;
-    for (const auto& rep : reps) v.push_back(rep[r].total_us);
-    out[r].total_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].backward_us);
-    out[r].backward_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].forward_saving_us);
-    out[r].forward_saving_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].train_step_us);
-    out[r].train_step_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].train_step_forward_us);
-    out[r].train_step_forward_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].train_step_quantize_us);
-    out[r].train_step_quantize_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].unfused_backward_us);
-    out[r].unfused_backward_us = median(v);
-    v.clear();
-    for (const auto& rep : reps) v.push_back(rep[r].quantize_weights_us);
-    out[r].quantize_weights_us = median(v);
+    for (auto field : {&RankResult::total_us, &RankResult::backward_us,
+                       &RankResult::forward_saving_us, &RankResult::train_step_us,
+                       &RankResult::train_step_forward_us, &RankResult::train_step_quantize_us,
+                       &RankResult::unfused_backward_us, &RankResult::quantize_weights_us,
+                       &RankResult::other_wgrad_backward_us, &RankResult::other_wgrad_us}) {
+      v.clear();
+      for (const auto& rep : reps) v.push_back(rep[r].*field);
+      out[r].*field = median(v);
+    }
     for (auto list : {&RankResult::backward_side_us, &RankResult::backward_comm_us})
       for (size_t i = 0; i < (out[r].*list).size(); ++i) {
         v.clear();
@@ -1347,6 +1351,9 @@ int run_gpu(const Options& o, int devices) {
         to->memory = from.memory;
         to->saved_context_bytes = from.saved_context_bytes;
         to->quantize_weights_us = from.quantize_weights_us;
+        to->fp8_wgrad = from.fp8_wgrad;
+        to->other_wgrad_backward_us = from.other_wgrad_backward_us;
+        to->other_wgrad_us = from.other_wgrad_us;
         to->backward_stage_names = from.backward_stage_names;
         to->unfused_backward_us = from.unfused_backward_us;
         to->unfused_stage_names = from.unfused_stage_names;
@@ -1579,9 +1586,13 @@ int run_gpu(const Options& o, int devices) {
           const bool fp8_layer = variants[v].dtype == DType::kFP8Blockwise;
           const RankResult& b = slowest(variant_results[v], &RankResult::backward_us);
           const char* dtype = o.fp32_grads ? "fp32" : "bf16";
-          std::printf("  %-26s %10.1f %12.1f  (weight gradients %s, %s)\n",
+          std::printf("  %-26s %10.1f %12.1f  (weight gradients %s%s, %s)\n",
                       (system + " backward").c_str(), b.backward_us,
-                      2 * bench::forward_flops(c, b.routed_slots) / b.backward_us * 1e-6, dtype,
+                      2 * bench::forward_flops(c, b.routed_slots) / b.backward_us * 1e-6,
+                      !fp8_layer      ? ""
+                      : b.fp8_wgrad   ? "in FP8, out in "
+                                      : "in bf16 at these rows per expert, out in ",
+                      dtype,
                       o.accumulate_grads ? "accumulated" : "written");
           const RankResult& f = slowest(variant_results[v], &RankResult::forward_saving_us);
           auto stages_text = [](const std::vector<std::string>& names, const double* us) {
@@ -1603,6 +1614,12 @@ int run_gpu(const Options& o, int devices) {
           auto tflops = [&](double us) { return 2 * bench::forward_flops(c, b.routed_slots) / us * 1e-6; };
           std::printf("    its stages (us, slowest rank):%s\n",
                       stages_text(b.backward_stage_names, b.backward_stage_us).c_str());
+          if (fp8_layer && b.other_wgrad_backward_us > 0)
+            std::printf("    weight gradients in %s instead: %.1f us, the backward %.1f us (the "
+                        "layer's choice, %s, %.2fx faster)\n",
+                        b.fp8_wgrad ? "bf16 (dequantized rows)" : "FP8", b.other_wgrad_us,
+                        b.other_wgrad_backward_us, b.fp8_wgrad ? "FP8" : "bf16",
+                        b.other_wgrad_backward_us / b.backward_us);
           std::printf("    memory (GB): backward rows %.2f, layer total %.2f; a forward's "
                       "context (schedule, g|u of %lld rows) %.2f\n",
                       b.memory.backward_bytes * 1e-9, b.memory.total() * 1e-9,
@@ -1648,7 +1665,10 @@ int run_gpu(const Options& o, int devices) {
                << join_numbers(per_repeat(variant_reps[v], &RankResult::train_step_us), ", ", 2)
                << "]";
           if (fp8_layer)
-            json << ", \"train_step_quantize_us\": " << json_num(ts.train_step_quantize_us);
+            json << ", \"train_step_quantize_us\": " << json_num(ts.train_step_quantize_us)
+                 << ", \"weight_gradients\": \"" << (b.fp8_wgrad ? "fp8" : "bf16")
+                 << "\", \"other_wgrad_backward_us\": " << json_num(b.other_wgrad_backward_us)
+                 << ", \"other_wgrad_stage_us\": " << json_num(b.other_wgrad_us);
           json << ", \"backward_bytes\": " << b.memory.backward_bytes
                << ", \"saved_context_bytes\": " << b.saved_context_bytes
                << ", \"saved_gate_up_rows\": " << b.plan.saved_gate_up_rows

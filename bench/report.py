@@ -98,14 +98,23 @@ def render_fp8_backward(runs):
         if r["direction"] == "bwd" and r["system"] in (FP8, "epflow"):
             rows.setdefault(point(r), {})[r["system"]] = r
     print("| preset | tokens/rank | EP | routing | FP8 backward µs (TFLOP/s/GPU) | bf16 backward "
-          "µs | FP8 speedup | megakernel µs FP8 / bf16 | weight gradients µs FP8 / bf16 "
+          "µs | FP8 speedup | megakernel µs FP8 / bf16 | weight-gradient stage µs FP8 / bf16 "
+          "| FP8 layer's weight gradients | in the other precision: FP8 backward µs (stage µs) "
           "| FP8 step µs (re-quantization µs) | bf16 step µs | FP8 step speedup | device "
           "| commit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def stage(r, prefix):
         return next((v for k, v in r.get("stage_us", {}).items() if k.startswith(prefix)),
                     float("nan"))
+    def other_wgrad(r):
+        """The precision the FP8 layer chose and its backward with the other one (runs before the
+        choice existed: bf16, not compared)."""
+        if "other_wgrad_backward_us" not in r:
+            return "bf16 | n/a"
+        chosen, other = ("FP8", "bf16") if r["weight_gradients"] == "fp8" else ("bf16", "FP8")
+        return (f"{chosen} | {other}: {r['other_wgrad_backward_us']:.0f} "
+                f"({r['other_wgrad_stage_us']:.0f})")
     for key in sorted(rows, key=lambda k: (k[0], k[3], -k[2], k[1])):
         fp8, bf16 = rows[key].get(FP8), rows[key].get("epflow")
         if fp8 is None or bf16 is None:
@@ -115,6 +124,7 @@ def render_fp8_backward(runs):
               f"| {bf16['layer_us']:.0f} | {bf16['layer_us'] / fp8['layer_us']:.2f}x "
               f"| {stage(fp8, 'megakernel'):.0f} / {stage(bf16, 'megakernel'):.0f} "
               f"| {stage(fp8, 'weight gradients'):.0f} / {stage(bf16, 'weight gradients'):.0f} "
+              f"| {other_wgrad(fp8)} "
               f"| {fp8['train_step_us']:.0f} ({fp8.get('train_step_quantize_us', float('nan')):.0f}) "
               f"| {bf16['train_step_us']:.0f} | {bf16['train_step_us'] / fp8['train_step_us']:.2f}x "
               f"| {fp8['device']} | {fp8['commit']} |")

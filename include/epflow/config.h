@@ -15,8 +15,10 @@ enum class DType {
   // (and sent over NVLink so), weights 128 x 128 (ExpertWeights::fp8, quantize_expert_weights),
   // h 1 x 128 in the SwiGLU epilogue; fp32 accumulation; bf16 combine. Training (with_backward):
   // dy and x quantized 1 x 128 by their owner, dhp and dx GEMMs in FP8 on the transposed
-  // weights ([dg | du] quantized 1 x 128 in the epilogue), weight gradients in bf16 on the
-  // dequantized rows (docs/design/fp8_backward.md). H and I multiples of 128.
+  // weights ([dg | du] quantized 1 x 128 in the epilogue), weight-gradient GEMMs in FP8 on
+  // operands quantized along the tokens where a call brings each local expert 256 rows or more
+  // on average, else in bf16 on the dequantized rows (docs/design/fp8_backward.md); the
+  // gradients written in BackwardArgs::grad_dtype. H and I multiples of 128.
   kFP8Blockwise,
   kMXFP8,  // e4m3 + one e8m0 scale per 32 values, wire/storage format (not implemented yet)
 };

@@ -22,7 +22,8 @@ implementation.
 MoELayer(..., dtype="fp8") runs in FP8 (e4m3 with DeepSeek-V3's 1x128 / 128x128 block scales):
 it keeps its parameters in bf16 and quantizes them on the GPU (Handle.quantize_weights) at its
 first call and whenever a parameter changed since (after each optimizer step); it trains through
-EPFlow's FP8 backward (dgrad GEMMs in FP8, weight gradients in bf16) like the bf16 layer, and
+EPFlow's FP8 backward (dgrad GEMMs in FP8; weight-gradient GEMMs in FP8 from 256 routed rows per
+expert, in bf16 below; the gradients themselves bf16 or fp32) like the bf16 layer, and
 without gradients calls `torch.ops.epflow.moe_forward_fp8(handle_id, x, topk_idx, topk_weights,
 fp8_weights)`.
 """

@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include "common/fp8_blocks.h"
 #include "common/status_util.h"
 #include "common/tile.h"
 #include "host/fused_passes.h"
@@ -70,11 +71,67 @@ Status recompute_gate_up_overflow(const LayerWorkspace& ws, const SavedActivatio
   return Status::ok_status();
 }
 
+// The FP8 weight gradients (LayerWorkspace::fp8_weight_gradients): each operand quantized along
+// the tokens and written transposed (dy, [dg | du]: 128 x 1; w·h, x: 128 x 128; dy and x from
+// their packed rows, [dg | du] and w·h from bf16), then the K-grouped FP8 GEMMs: d W_down's
+// operands first, then d W_gate's and d W_up's into the same buffers (BackwardRows).
+Status fp8_weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
+                            const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream) {
+  const int64_t H = ws.config.hidden, I = ws.config.intermediate;
+  const BackwardRows& b = ws.backward;
+  const int64_t cap = b.ring.rows;
+  const int64_t* table_rows = acts.schedule.seg_offset + ws.config.experts_per_rank();
+  const bool pow2 = ws.config.fp8_power_of_two_scales;
+  using kernels::TransposedScaling;
+  auto quantize = [&](const __nv_bfloat16* rows, int64_t ld, int64_t cols, TransposedScaling sc,
+                      uint8_t* q, float* scales) {
+    return kernels::launch_quantize_transposed(rows, ld, cap, table_rows, cols, sc, pow2, q,
+                                               scales, stream);
+  };
+  auto requantize = [&](const uint8_t* packed, TransposedScaling sc, uint8_t* q, float* scales) {
+    return kernels::launch_requantize_transposed(packed, cap, table_rows, H, sc, pow2, q, scales,
+                                                 stream);
+  };
+  kernels::Fp8ExpertWgradArgs wg;
+  wg.segments = kernels::ExpertSegments{ws.config.experts_per_rank(), cap,
+                                        acts.schedule.seg_offset, acts.schedule.expert_rows};
+  wg.fp32_out = args.grad_dtype == GradDType::kFP32;
+  wg.accumulate = args.accumulate_weight_grads;
+  wg.max_ctas = max_ctas;
+  auto gemm = [&](const uint8_t* a_t, int64_t m, const uint8_t* b_t, const float* b_scales,
+                  int64_t n, void* dw, int64_t dw_expert_stride) {
+    wg.a_t = a_t;
+    wg.m = m;
+    wg.b_t = b_t;
+    wg.b_scales = b_scales;
+    wg.n = n;
+    wg.dw = dw;
+    wg.dw_expert_stride = dw_expert_stride;
+    return kernels::launch_fp8_expert_wgrad(wg, stream);
+  };
+  EPFLOW_CUDA_RETURN(requantize(reinterpret_cast<const uint8_t*>(b.ring.x),
+                                TransposedScaling::k128x1, b.dy_t, nullptr));
+  EPFLOW_CUDA_RETURN(
+      quantize(b.wh, I, I, TransposedScaling::k128x128, b.wh_t, b.wh_t_scales));
+  EPFLOW_CUDA_RETURN(
+      gemm(b.dy_t, H, b.wh_t, b.wh_t_scales, I, args.d_down, args.d_down_expert_stride));
+  EPFLOW_CUDA_RETURN(requantize(b.x_fp8, TransposedScaling::k128x128, b.x_t, b.x_t_scales));
+  EPFLOW_CUDA_RETURN(quantize(b.ring.h, 2 * I, 2 * I, TransposedScaling::k128x1, b.dgu_t, nullptr));
+  const int64_t dgu_row = fp8::packed_row_bytes(cap);
+  EPFLOW_CUDA_RETURN(
+      gemm(b.dgu_t, I, b.x_t, b.x_t_scales, H, args.d_gate, args.d_gate_expert_stride));
+  EPFLOW_CUDA_RETURN(gemm(b.dgu_t + I * dgu_row, I, b.x_t, b.x_t_scales, H, args.d_up,
+                          args.d_up_expert_stride));
+  return Status::ok_status();
+}
+
 }  // namespace
 
 Status weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
                         const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream,
                         cudaEvent_t x_rows_in) {
+  if (ws.fp8_weight_gradients)
+    return fp8_weight_gradients(ws, acts, args, max_ctas, stream);
   const int64_t H = ws.config.hidden, I = ws.config.intermediate;
   const BackwardRows& b = ws.backward;
   kernels::ExpertWgradArgs wg;

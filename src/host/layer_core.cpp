@@ -101,6 +101,14 @@ Status LayerCore::set_backward_comm_sms(int32_t comm_sms) {
   return Status::ok_status();
 }
 
+Status LayerCore::set_wgrad_precision(WgradPrecision precision) {
+  if (!(config().dtype == DType::kFP8Blockwise && config().with_backward))
+    return invalid_argument("the weight gradients' precision is a choice of fp8-blockwise "
+                            "layers created with_backward only");
+  ws_->wgrad_precision = precision;
+  return Status::ok_status();
+}
+
 MemoryReport LayerCore::memory() const { return ws_->shared->memory(); }
 
 int64_t LayerCore::saved_context_bytes() const {
@@ -241,6 +249,10 @@ Status LayerCore::run_backward(const BackwardArgs& a, const SavedContext& saved,
   EPFLOW_RETURN_IF_ERROR(ws_->publish_barrier(T, stream));
   EPFLOW_CUDA_RETURN(stage_boundary(hooks, stream));
   const SavedActivations acts = SavedActivations::carve(*ws_, saved.buffer, true);
+  ws_->fp8_weight_gradients =
+      c.dtype == DType::kFP8Blockwise &&
+      (ws_->wgrad_precision == WgradPrecision::kAuto ? runtime::fp8_weight_gradients_pay(c, T)
+                                                     : ws_->wgrad_precision == WgradPrecision::kFp8);
   EPFLOW_RETURN_IF_ERROR(backward_->run(*ws_, acts, saved.weights, a, stream, hooks));
   // Unweighted sums (the dx rows arrive weighted), and no routing check: the forward of this
   // context checked the same ids.

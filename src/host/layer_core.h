@@ -47,6 +47,9 @@ class LayerCore {
   void set_backward_executor(std::unique_ptr<BackwardExecutor> executor);
   // The fused backward's communication SMs, in [1, sm_count) (default: the runtime plan's).
   Status set_backward_comm_sms(int32_t comm_sms);
+  // An FP8 training layer's weight gradients: by the call's rows per expert (kAuto, the default),
+  // always in FP8, or always in bf16 on the dequantized dy and x rows.
+  Status set_wgrad_precision(WgradPrecision precision);
 
   LayerWorkspace& workspace() { return *ws_; }
   const std::shared_ptr<SharedWorkspace>& shared_workspace() const { return ws_->shared; }

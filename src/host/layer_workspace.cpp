@@ -93,11 +93,16 @@ Status LayerWorkspace::create(const LayerConfig& config, std::shared_ptr<SharedW
     BackwardRows& b = ws->backward;
     b.ring.rows = sched::round_up(ws->max_rows, ws->plan.minibatch_rows);
     const int64_t H = c.hidden, I = c.intermediate, rows = b.ring.rows;
-    ws->backward_rows_bytes_ = sizeof(__nv_bfloat16) * rows * (2 * H + 3 * I);
-    if (c.dtype == DType::kFP8Blockwise)  // the packed x and [dg | du] rows
-      ws->backward_rows_bytes_ +=
-          rows * (fp8::packed_row_bytes(H) + fp8::packed_row_bytes(2 * I));
-    ws->backward_rows_bytes_ = aligned(ws->backward_rows_bytes_);
+    ws->backward_x_bytes_ = aligned(sizeof(__nv_bfloat16) * rows * H);
+    ws->backward_rows_bytes_ = sizeof(__nv_bfloat16) * rows * (H + 3 * I);
+    if (c.dtype == DType::kFP8Blockwise) {
+      // The packed x and [dg | du] rows; the FP8 weight gradients' operands in x's bytes.
+      size_t operands = 0;
+      for (size_t bytes : ws->fp8_wgrad_operand_bytes()) operands += aligned(bytes);
+      ws->backward_x_bytes_ = std::max(ws->backward_x_bytes_, operands);
+      ws->backward_rows_bytes_ += rows * (fp8::packed_row_bytes(H) + fp8::packed_row_bytes(2 * I));
+    }
+    ws->backward_rows_bytes_ = ws->backward_x_bytes_ + aligned(ws->backward_rows_bytes_);
     ws->backward_partial_bytes_ = aligned(sizeof(float) * rows * kernels::backward_dh_tiles(I));
     b.ring.counter_bytes =
         kernels::megakernel_counter_bytes(static_cast<int32_t>(rows / kTileRows), ws->sm_count);
@@ -108,6 +113,13 @@ Status LayerWorkspace::create(const LayerConfig& config, std::shared_ptr<SharedW
   ws->carve();
   *out = std::move(ws);
   return Status::ok_status();
+}
+
+std::array<size_t, 3> LayerWorkspace::fp8_wgrad_operand_bytes() const {
+  const int64_t H = config.hidden, I = config.intermediate, rows = backward.ring.rows;
+  const int64_t packed = fp8::packed_row_bytes(rows), scales = rows / fp8::kBlock * 4;
+  return {size_t(H * packed), size_t(std::max(2 * I * packed, I * rows)),
+          size_t(std::max(H, I) / fp8::kBlock * scales)};
 }
 
 SharedWorkspace::Needs LayerWorkspace::needs() const {
@@ -137,14 +149,22 @@ void LayerWorkspace::carve() {
   if (config.with_backward) {
     BackwardRows& b = backward;
     const int64_t H = config.hidden, I = config.intermediate, rows = b.ring.rows;
-    __nv_bfloat16* q = reinterpret_cast<__nv_bfloat16*>(s.backward());
-    for (auto [buf, cols] : {std::pair{&b.x, H}, {&b.ring.x, H}, {&b.wh, I}, {&b.ring.h, 2 * I}}) {
+    b.x = reinterpret_cast<__nv_bfloat16*>(s.backward());
+    __nv_bfloat16* q = reinterpret_cast<__nv_bfloat16*>(s.backward() + backward_x_bytes_);
+    for (auto [buf, cols] : {std::pair{&b.ring.x, H}, {&b.wh, I}, {&b.ring.h, 2 * I}}) {
       *buf = q;
       q += rows * cols;
     }
     if (config.dtype == DType::kFP8Blockwise) {
       b.x_fp8 = reinterpret_cast<uint8_t*>(q);
       b.dgu_fp8 = b.x_fp8 + rows * fp8::packed_row_bytes(H);
+      // d W_down's operands, then d W_gate's and d W_up's in the same three slots.
+      const auto sizes = fp8_wgrad_operand_bytes();
+      char* slot[3] = {s.backward()};
+      for (int i = 1; i < 3; ++i) slot[i] = slot[i - 1] + aligned(sizes[i - 1]);
+      b.dy_t = b.x_t = reinterpret_cast<uint8_t*>(slot[0]);
+      b.wh_t = b.dgu_t = reinterpret_cast<uint8_t*>(slot[1]);
+      b.wh_t_scales = b.x_t_scales = reinterpret_cast<float*>(slot[2]);
     }
     char* base = s.backward();
     b.dw_partial = reinterpret_cast<float*>(base + backward_rows_bytes_);

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 
@@ -47,10 +48,27 @@ struct BackwardRows {
   __nv_bfloat16* gate_up_overflow = nullptr;
   // FP8 only: the pulled x rows and the [dg | du] rows the dx GEMM reads, as packed rows
   // ([rows, fp8::packed_row_bytes(H)], [rows, packed_row_bytes(2I)]); ring.x then holds the
-  // packed dy rows, and ring.h and x the bf16 operands of the weight gradients.
+  // packed dy rows, ring.h the bf16 [dg | du] rows (for the weight gradients).
   uint8_t* x_fp8 = nullptr;
   uint8_t* dgu_fp8 = nullptr;
+  // FP8 only, the FP8 weight gradients' operands (launch_quantize_transposed): dy and [dg | du]
+  // transposed as packed rows by 128 x 1 blocks ([H | 2I, packed_row_bytes(rows)]), w·h and x
+  // transposed by 128 x 128 blocks ([I | H, rows] with scales [I | H / 128, rows / 128]). In x's
+  // bytes (an FP8 layer's x rows are x_fp8: x holds only the g|u recompute's rows before the
+  // megakernel, or the bf16 weight gradients' dequantized rows instead), d W_down's operands
+  // (dy_t, wh_t, wh_t_scales) and then d W_gate's and d W_up's (x_t, dgu_t, x_t_scales) at the
+  // same addresses: the pointers of a pair are equal.
+  uint8_t* dy_t = nullptr;
+  uint8_t* dgu_t = nullptr;
+  uint8_t* wh_t = nullptr;
+  uint8_t* x_t = nullptr;
+  float* wh_t_scales = nullptr;
+  float* x_t_scales = nullptr;
 };
+
+// An FP8 training layer's weight gradients: by runtime::fp8_weight_gradients_pay (kAuto), always
+// in FP8, or always in bf16 on the dequantized rows (tests and the bench's comparison).
+enum class WgradPrecision { kAuto, kFp8, kBf16 };
 
 struct LayerWorkspace {
   LayerConfig config;
@@ -68,6 +86,10 @@ struct LayerWorkspace {
   int64_t* tokens = nullptr;                // device [world]: each rank's T of the current call
   uint64_t* epoch = nullptr;                // device: the barrier epoch
   RingBuffers ring;                         // the forward megakernel's
+  // FP8 training layers: the precision of the weight gradients (LayerCore::set_wgrad_precision),
+  // and what the current backward runs (run_backward resolves kAuto by the call's T).
+  WgradPrecision wgrad_precision = WgradPrecision::kAuto;
+  bool fp8_weight_gradients = false;
   BackwardRows backward;                    // LayerConfig::with_backward only
   void* inference_schedule = nullptr;       // the schedule buffer of forwards that keep nothing
   DeviceReports reports;
@@ -108,6 +130,10 @@ struct LayerWorkspace {
   uint64_t generation_ = 0;
   size_t ring_x_bytes_ = 0, ring_h_bytes_ = 0, ring_counter_bytes_ = 0;
   size_t backward_rows_bytes_ = 0, backward_partial_bytes_ = 0, overflow_bytes_ = 0;
+  size_t backward_x_bytes_ = 0;  // BackwardRows::x's, and the FP8 weight gradients' operands'
+  // FP8: bytes of the three slots of BackwardRows' FP8 weight-gradient operands: dy_t | x_t,
+  // wh_t | dgu_t, wh_t_scales | x_t_scales.
+  std::array<size_t, 3> fp8_wgrad_operand_bytes() const;
 };
 
 }  // namespace epflow

@@ -34,6 +34,10 @@ int32_t default_backward_comm_sms(const LayerConfig& c, int32_t sm_count) {
   return comm_sms_for(c, sm_count, 2.0);
 }
 
+bool fp8_weight_gradients_pay(const LayerConfig& c, int64_t tokens) {
+  return tokens * c.top_k >= kFp8WgradMinRowsPerExpert * c.experts_per_rank();
+}
+
 int64_t default_saved_gate_up_rows(const LayerConfig& c, int64_t table_rows) {
   const double balanced = static_cast<double>(c.max_tokens_per_rank) * c.top_k;
   const int64_t rows = static_cast<int64_t>(balanced * (1.0 + kSavedRowsMargin)) +

@@ -57,6 +57,14 @@ int32_t default_comm_sms(const LayerConfig& config, int32_t sm_count);
 // 27 for I = 768 on 132 SMs.
 int32_t default_backward_comm_sms(const LayerConfig& config, int32_t sm_count);
 
+// An FP8 training layer's weight gradients: in FP8 (operands quantized along the tokens) when a
+// call brings each local expert at least kFp8WgradMinRowsPerExpert routed rows on average
+// (T·K / experts per rank, T this rank's tokens), else in bf16 on the dequantized rows: with one
+// 128-row K block per expert the operands' transposed quantization costs more than the FP8 GEMMs
+// save, from four it pays (docs/benchmarks.md, the FP8 weight gradients).
+inline constexpr int64_t kFp8WgradMinRowsPerExpert = 256;
+bool fp8_weight_gradients_pay(const LayerConfig& config, int64_t tokens);
+
 // Default ring: this many minibatches, so dispatch runs ahead of compute and the down GEMM of
 // minibatch j can run after the gate/up GEMM of j + 1 (which needs at least 2).
 inline constexpr int32_t kDefaultRingMinibatches = 4;

@@ -3,9 +3,12 @@
 // come from row-major activations whose rows are the reduction: A = lhsᵀ is M-major, B = rhs is
 // N-major, each loaded as boxes of 64 columns x 64 rows (grouped_gemm.cuh's consume_tile with
 // RowsMajor::kM and WeightMajor::kN). Tiles are walked statically, m fastest (the CTAs running
-// at once share the expert's rhs rows through L2).
+// at once share the expert's rhs rows through L2). The FP8 form (launch_fp8_expert_wgrad) reads
+// both operands transposed, K-major (launch_quantize_transposed's), through the FP8 mainloop.
+#include "common/fp8_blocks.h"
 #include "kernels/expert_wgrad.cuh"
 #include "kernels/grouped_gemm.cuh"
+#include "kernels/tensor_map.h"
 
 namespace epflow::kernels {
 
@@ -163,6 +166,144 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   }
 }
 
+// --- FP8 (launch_fp8_expert_wgrad) -----------------------------------------------------------
+
+// An expert's K blocks in chunks of at most kFp8ChunkBlocks: a chunk's B scale rows fit a
+// weight-scale slot (fp8_weight_scale_box), and the pipeline counts each chunk as a tile (its
+// scales come with its first stage).
+constexpr int32_t kFp8ChunkBlocks = 248;
+constexpr int32_t kFp8ChunkScaleBox = gemm::fp8_weight_scale_box(kFp8ChunkBlocks);
+static_assert(kFp8ChunkScaleBox <= 256 &&
+              kFp8ChunkScaleBox * 4 <= gemm::kFp8WeightScaleRowBytes);
+// The FP8 storage: the bf16 form's, then the stages' row-scale boxes and the weight-scale slots.
+constexpr size_t kFp8SmemBytes =
+    sizeof(Smem) + kStages * gemm::kFp8ScaleBoxBytes + gemm::kFp8WeightScaleBytes<kStages>;
+static_assert(kFp8SmemBytes <= 227 * 1024);
+
+struct Fp8WgradParams {
+  WgradParams base;
+  int32_t k_cap_blocks;  // max_rows / 128: a B scale row's length
+  int32_t n_blocks;      // n / 128
+};
+
+// One tile: its expert's K blocks (real rows, rounded up to 128) from the expert's first row.
+__device__ __forceinline__ int32_t fp8_k_blocks(const WgradParams& p, const gemm::TileCoord& c) {
+  const int64_t k = p.expert_rows ? p.expert_rows[c.expert]
+                                  : p.seg_offset[c.expert + 1] - p.seg_offset[c.expert];
+  return static_cast<int32_t>((k + fp8::kBlock - 1) / fp8::kBlock);
+}
+
+// Where chunk [first, first + n) of tile c's K blocks has its two B scale rows.
+__device__ __forceinline__ void fp8_b_rows(const Fp8WgradParams& p, const gemm::TileCoord& c,
+                                           int32_t first, int32_t* row0, int32_t* row1) {
+  const int32_t k0 = c.a_row / fp8::kBlock + first;
+  const int32_t b0 = 2 * c.n_tile, b1 = min(2 * c.n_tile + 1, p.n_blocks - 1);
+  *row0 = b0 * p.k_cap_blocks + k0;
+  *row1 = b1 * p.k_cap_blocks + k0;
+}
+
+// The FP8 weight gradients: dw[e] = A_eᵀ B_e with A and B given transposed and K-major (A: packed
+// rows, a scale per row and 128 K; B: e4m3 with 128 x 128 block scales), K = the expert's rows
+// in chunks (each a pipeline tile); the consumers keep their accumulators across the chunks and
+// write through WgradSink as the bf16 form does. An expert without rows writes zeros.
+template <class Sink>
+__global__ void __launch_bounds__(gemm::kThreads, 1)
+    fp8_expert_wgrad_kernel(const __grid_constant__ CUtensorMap map_a,
+                            const __grid_constant__ CUtensorMap map_a_scales,
+                            const __grid_constant__ CUtensorMap map_b,
+                            const __grid_constant__ CUtensorMap map_b_scales,
+                            const __grid_constant__ CUtensorMap map_dw, const Fp8WgradParams fp) {
+  auto& s = gemm::dynamic_smem<Smem>();
+  uint8_t* row_scale_boxes = reinterpret_cast<uint8_t*>(&s) + sizeof(s);
+  uint8_t* weight_scale_slots = row_scale_boxes + kStages * gemm::kFp8ScaleBoxBytes;
+  const WgradParams& p = fp.base;
+  const int wg = gemm::warpgroup_index();
+  if (threadIdx.x == 0) {
+    gemm::check_dynamic_smem_alignment();
+    gemm::init_stage_barriers(s);
+    for (const CUtensorMap* m : {&map_a, &map_a_scales, &map_b, &map_b_scales, &map_dw})
+      ptx::prefetch_tensor_map(m);
+  }
+  __syncthreads();
+  const int64_t tiles = int64_t{p.experts} * p.m_tiles * p.n_tiles;
+  gemm::PipelineState<kStages> ps;
+  if (wg == 0) {
+    ptx::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    constexpr uint32_t kBytes =
+        (kTileRows + kTileCols) * fp8::kBlock + gemm::kFp8ScaleBoxBytes;
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const gemm::TileCoord c = wgrad_tile(p, t);
+      const int32_t k_blocks = fp8_k_blocks(p, c);
+      for (int32_t first = 0; first < k_blocks; first += kFp8ChunkBlocks) {
+        const int32_t n = min(kFp8ChunkBlocks, k_blocks - first);
+        int32_t row0, row1;
+        fp8_b_rows(fp, c, first, &row0, &row1);
+        for (int32_t kb = 0; kb < n; ++kb, ps.advance()) {
+          ptx::mbarrier_wait(&s.empty[ps.stage], ps.phase ^ 1);
+          uint64_t* full = &s.full[ps.stage];
+          const int32_t k = c.a_row / fp8::kBlock + first + kb;  // the K block
+          if (kb == 0) {
+            ptx::mbarrier_arrive_expect_tx(full, kBytes + 2 * 4 * kFp8ChunkScaleBox);
+            uint8_t* slot = weight_scale_slots + ps.scale_slot * 2 * gemm::kFp8WeightScaleRowBytes;
+            ptx::tma_load_1d(slot, &map_b_scales, row0 & ~3, full);
+            ptx::tma_load_1d(slot + gemm::kFp8WeightScaleRowBytes, &map_b_scales, row1 & ~3,
+                             full);
+          } else {
+            ptx::mbarrier_arrive_expect_tx(full, kBytes);
+          }
+          ptx::tma_load_2d(s.a[ps.stage], &map_a, k * fp8::kBlock, c.m_tile * kTileRows, full);
+          ptx::tma_load_2d(row_scale_boxes + ps.stage * gemm::kFp8ScaleBoxBytes, &map_a_scales,
+                           (k & ~3) * 4, c.m_tile * kTileRows, full);
+          ptx::tma_load_2d(s.b[ps.stage], &map_b, k * fp8::kBlock, c.n_tile * kTileCols, full);
+        }
+        ps.next_tile();
+      }
+    }
+  } else {
+    ptx::warpgroup_reg_alloc<232>();
+    const int tid = threadIdx.x % 128;
+    Sink sink;
+    sink.map_dw = &map_dw;
+    sink.dw_order = p.dw_order;
+    sink.staging = s.out[wg - 1];
+    sink.accumulate = p.accumulate;
+    gemm::fp8_turns_begin(wg - 1);
+    gemm::Fp8Scales sc;
+    sc.a_smem = row_scale_boxes;
+    sc.b_smem = weight_scale_slots;
+    sc.n_blocks = fp.n_blocks;
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const gemm::TileCoord c = wgrad_tile(p, t);
+      const int32_t k_blocks = fp8_k_blocks(p, c);
+      float acc[kTileCols / 2];
+#pragma unroll
+      for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
+      for (int32_t first = 0; first < k_blocks; first += kFp8ChunkBlocks) {
+        const int32_t n = min(kFp8ChunkBlocks, k_blocks - first);
+        sc.k0 = c.a_row / fp8::kBlock + first;
+        fp8_b_rows(fp, c, first, &sc.b_row0, &sc.b_row1);
+        gemm::fp8_mainloop<Epilogue::kStore, 1, kStages, gemm::kStagingBytes<Epilogue::kStore>,
+                           true>(s, ps, c, n, wg - 1, sc, acc);
+        ps.next_tile();
+      }
+      sink.prepare(c, wg - 1, tid);
+      constexpr int kPassBlocks = kTileCols / 8 / Sink::kWritePasses;
+#pragma unroll
+      for (int pass = 0; pass < Sink::kWritePasses; ++pass) {
+        sink.begin(wg - 1, tid);
+#pragma unroll
+        for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
+          sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
+          sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+        }
+        sink.end(wg - 1, tid);
+      }
+    }
+    if (tid == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
@@ -213,6 +354,71 @@ cudaError_t launch_expert_wgrad(const ExpertWgradArgs& a, cudaStream_t stream) {
       e != cudaSuccess)
     return e;
   kernel<<<grid, gemm::kThreads, smem, stream>>>(map_lhs, map_rhs, map_dw, p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fp8_expert_wgrad(const Fp8ExpertWgradArgs& a, cudaStream_t stream) {
+  const ExpertSegments& seg = a.segments;
+  constexpr int64_t kB = fp8::kBlock;
+  if (!seg.valid() || a.m <= 0 || a.m % kB != 0 || a.n <= 0 || a.n % kB != 0 ||
+      seg.max_rows / kB > (int64_t{1} << 30) / kB)
+    return cudaErrorInvalidValue;
+  if (seg.experts == 0) return cudaSuccess;
+  if (!seg.seg_offset || !a.a_t || !a.b_t || !a.b_scales || !a.dw ||
+      reinterpret_cast<uintptr_t>(a.b_scales) % 16 != 0)
+    return cudaErrorInvalidValue;
+  int32_t sm_count = 0;
+  if (cudaError_t e = current_device_sm_count(&sm_count); e != cudaSuccess) return e;
+  if (a.max_ctas > 0 && a.max_ctas < sm_count) sm_count = a.max_ctas;
+  // A_t: packed rows [m, packed_row_bytes(max_rows)] (the rows' maps of the FP8 GEMMs); B_t
+  // [n, max_rows] e4m3 in boxes of one K block x 256 rows; its scales [n / 128, max_rows / 128]
+  // as a 1-D array; dw as in the bf16 form. A max_rows of 0 still maps one (never read) block.
+  const int64_t k_cap = seg.max_rows > 0 ? seg.max_rows : kB;
+  const uint64_t a_dims[2] = {uint64_t(k_cap), uint64_t(a.m)};
+  const uint64_t a_stride[1] = {uint64_t(fp8::packed_row_bytes(k_cap))};
+  const uint32_t a_box[2] = {uint32_t(kB), uint32_t(kTileRows)};
+  const uint64_t as_dims[2] = {uint64_t(k_cap / kB * 4), uint64_t(a.m)};
+  const uint32_t as_box[2] = {16, uint32_t(kTileRows)};
+  const uint64_t b_dims[2] = {uint64_t(k_cap), uint64_t(a.n)};
+  const uint32_t b_box[2] = {uint32_t(kB), uint32_t(kTileCols)};
+  const uint64_t dw_dims[3] = {uint64_t(a.n), uint64_t(a.m), uint64_t(seg.experts)};
+  const int64_t dw_elem = a.fp32_out ? 4 : 2;
+  Fp8WgradParams p;
+  uint64_t dw_strides[2] = {uint64_t(a.n * dw_elem), 0};
+  const void* dw = gemm::expert_map_base(a.dw, seg.experts, a.m * a.n, dw_elem,
+                                         a.dw_expert_stride, &dw_strides[1], &p.base.dw_order);
+  const uint32_t dw_box[3] = {a.fp32_out ? 32u : 64u, 64, 1};
+  CUtensorMap map_a, map_a_scales, map_b, map_b_scales, map_dw;
+  if (!encode_u8_tensor_map(&map_a, a.a_t, 2, a_dims, a_box, a_stride).ok() ||
+      !encode_u8_tensor_map_unswizzled(&map_a_scales, a.a_t + k_cap, 2, as_dims, as_box,
+                                       a_stride)
+           .ok() ||
+      !encode_u8_tensor_map(&map_b, a.b_t, 2, b_dims, b_box).ok() ||
+      !encode_f32_vector_map(&map_b_scales, a.b_scales, uint64_t(a.n / kB) * (k_cap / kB),
+                             kFp8ChunkScaleBox)
+           .ok() ||
+      !(a.fp32_out ? encode_f32_tensor_map(&map_dw, dw, 3, dw_dims, dw_box, dw_strides)
+                   : encode_bf16_tensor_map(&map_dw, dw, 3, dw_dims, dw_box, dw_strides))
+           .ok())
+    return cudaErrorInvalidValue;
+  p.base.seg_offset = seg.seg_offset;
+  p.base.expert_rows = seg.expert_rows;
+  p.base.experts = seg.experts;
+  p.base.accumulate = a.accumulate;
+  p.base.m_tiles = static_cast<int32_t>((a.m + kTileRows - 1) / kTileRows);
+  p.base.n_tiles = static_cast<int32_t>((a.n + kTileCols - 1) / kTileCols);
+  p.k_cap_blocks = static_cast<int32_t>(k_cap / kB);
+  p.n_blocks = static_cast<int32_t>(a.n / kB);
+  const int64_t tiles = int64_t{seg.experts} * p.base.m_tiles * p.base.n_tiles;
+  const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
+  auto* kernel = a.fp32_out ? fp8_expert_wgrad_kernel<WgradSink<float>>
+                            : fp8_expert_wgrad_kernel<WgradSink<__nv_bfloat16>>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kFp8SmemBytes));
+      e != cudaSuccess)
+    return e;
+  kernel<<<grid, gemm::kThreads, kFp8SmemBytes, stream>>>(map_a, map_a_scales, map_b,
+                                                          map_b_scales, map_dw, p);
   return cudaGetLastError();
 }
 

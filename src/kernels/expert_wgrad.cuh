@@ -55,4 +55,24 @@ struct ExpertWgradArgs {
 };
 cudaError_t launch_expert_wgrad(const ExpertWgradArgs& args, cudaStream_t stream);
 
+// The weight gradients in FP8 (docs/design/fp8_backward.md): dw[e] = A_eᵀ B_e over expert e's
+// rows with both operands transposed, contiguous along the rows, as launch_quantize_transposed
+// writes them: a_t [m, fp8::packed_row_bytes(max_rows)] (k128x1: a scale per row of a_t per 128
+// rows of the table), b_t [n, max_rows] e4m3 with b_scales [n / 128, max_rows / 128] (k128x128).
+// K: the expert's rows (expert_rows if given, else its segment) rounded up to 128, whose padding
+// must hold zeros. Output as ExpertWgradArgs' (m and n multiples of 128).
+struct Fp8ExpertWgradArgs {
+  ExpertSegments segments;
+  int64_t m = 0, n = 0;
+  const uint8_t* a_t = nullptr;
+  const uint8_t* b_t = nullptr;
+  const float* b_scales = nullptr;
+  void* dw = nullptr;
+  int64_t dw_expert_stride = 0;
+  bool fp32_out = false;
+  bool accumulate = false;
+  int32_t max_ctas = 0;
+};
+cudaError_t launch_fp8_expert_wgrad(const Fp8ExpertWgradArgs& args, cudaStream_t stream);
+
 }  // namespace epflow::kernels

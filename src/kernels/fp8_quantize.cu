@@ -125,7 +125,9 @@ __device__ void store_transposed(const uint8_t (*tile)[kTileStride], const Trans
   }
 }
 
-__global__ void __launch_bounds__(kBlockThreads)
+// NOTES: five CTAs per SM (48 registers, no spills): this pass is bandwidth-bound, and its loads
+// in flight per SM are what set its rate.
+__global__ void __launch_bounds__(kBlockThreads, 5)
     quantize_blocks_kernel(const __nv_bfloat16* w, int64_t w_stride, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* q, float* scales, TransposedCopy qt) {
   const int64_t row_blocks = (rows + fp8::kBlock - 1) / fp8::kBlock;
@@ -146,21 +148,26 @@ __global__ void __launch_bounds__(kBlockThreads)
                       reinterpret_cast<uintptr_t>(dst) % 8 == 0;
   const int vcol = 8 * (threadIdx.x % 16), vfirst = threadIdx.x / 16;
   const int col = threadIdx.x % fp8::kBlock, first = threadIdx.x / fp8::kBlock;
-  float v[kVecPasses][8];
+  // NOTES: the rows stay bf16 in registers (half the registers of floats: more CTAs per SM, more
+  // loads in flight for this bandwidth-bound pass); the amax of bf16 magnitudes is exact, NaN
+  // winning as fp8::amax_nan's.
+  uint4 raw[kVecPasses];
   float m = 0.0f;
   if (vector) {
+    __nv_bfloat162 m2 = __float2bfloat162_rn(0.0f);
 #pragma unroll
     for (int p = 0; p < kVecPasses; ++p) {
       const int64_t r = vfirst + kVecRowStep * p;
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (r < nr) raw = *reinterpret_cast<const uint4*>(src + (r0 + r) * cols + c0 + vcol);
-      const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[p][2 * i] = __low2float(pair[i]), v[p][2 * i + 1] = __high2float(pair[i]);
-        m = fp8::amax_nan(m, fp8::amax_nan(fabsf(v[p][2 * i]), fabsf(v[p][2 * i + 1])));
-      }
+      raw[p] = make_uint4(0, 0, 0, 0);
+      if (r < nr) raw[p] = *reinterpret_cast<const uint4*>(src + (r0 + r) * cols + c0 + vcol);
     }
+#pragma unroll
+    for (int p = 0; p < kVecPasses; ++p) {
+      const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw[p]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m2 = __hmax2_nan(m2, __habs2(pair[i]));
+    }
+    m = fp8::amax_nan(__low2float(m2), __high2float(m2));
   } else if (col < nc) {
     for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock)
       m = fp8::amax_nan(m, fabsf(__bfloat162float(src[(r0 + r) * cols + c0 + col])));
@@ -177,8 +184,11 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int p = 0; p < kVecPasses; ++p) {
       const int64_t r = vfirst + kVecRowStep * p;
       if (r >= nr) continue;
-      const uint2 bytes =
-          make_uint2(fp8::quantize_quad(v[p], scale), fp8::quantize_quad(v[p] + 4, scale));
+      const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw[p]);
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[2 * i] = __low2float(pair[i]), v[2 * i + 1] = __high2float(pair[i]);
+      const uint2 bytes = make_uint2(fp8::quantize_quad(v, scale), fp8::quantize_quad(v + 4, scale));
       *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) = bytes;
       if (qt.q)
 #pragma unroll
@@ -202,6 +212,24 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// 16 e4m3 values of one block (a 16-byte load) times its scale, rounded to bf16: two 16-byte
+// words of 8 bf16 each, out[0] the first 8.
+__device__ void dequantize_16(uint4 q, float scale, uint4* out) {
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  uint32_t pairs[8];
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float v0 = fp8::to_float(static_cast<uint8_t>(words[w] >> (16 * h))) * scale;
+      const float v1 = fp8::to_float(static_cast<uint8_t>(words[w] >> (16 * h + 8))) * scale;
+      const __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+      pairs[2 * w + h] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+  out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+  out[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+}
+
 // Packed rows back to bf16: thread t of the grid-stride loop turns 16 e4m3 bytes of a row
 // (a 16-byte load) into 16 bf16 values (two 16-byte stores) with their block's scale.
 __global__ void __launch_bounds__(kRowThreads)
@@ -212,23 +240,121 @@ __global__ void __launch_bounds__(kRowThreads)
        i += int64_t{gridDim.x} * kRowThreads) {
     const int64_t row = i / chunks, col = i % chunks * 16;
     const uint8_t* src = packed + row * row_bytes;
-    const uint4 q = *reinterpret_cast<const uint4*>(src + col);
-    const float scale = reinterpret_cast<const float*>(src + cols)[col / fp8::kBlock];
-    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-    uint32_t pairs[8];
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float v0 = fp8::to_float(static_cast<uint8_t>(words[w] >> (16 * h))) * scale;
-        const float v1 = fp8::to_float(static_cast<uint8_t>(words[w] >> (16 * h + 8))) * scale;
-        const __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
-        pairs[2 * w + h] = *reinterpret_cast<const uint32_t*>(&b);
-      }
-    uint4* dst = reinterpret_cast<uint4*>(out + row * cols + col);
-    dst[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-    dst[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+    dequantize_16(*reinterpret_cast<const uint4*>(src + col),
+                  reinterpret_cast<const float*>(src + cols)[col / fp8::kBlock],
+                  reinterpret_cast<uint4*>(out + row * cols + col));
   }
+}
+
+// Where a transposed quantization reads its rows, loaded a 128 x 128 tile at a time into
+// tile[128][kTileLd] bf16 by a CTA of kBlockThreads: bf16 rows with a row stride, or packed
+// 1 x 128 rows, dequantized as dequantize_rows_kernel does (so the result is bitwise that of
+// dequantizing first), reading half the bytes and writing none.
+constexpr int kTileLd = fp8::kBlock + 8;  // bf16; +8: rows 16 bytes apart in the banks
+struct Bf16Rows {
+  const __nv_bfloat16* x;
+  int64_t ld;
+  __device__ void load(__nv_bfloat16 (*tile)[kTileLd], int64_t r0, int64_t c0) const {
+    constexpr int kB = fp8::kBlock;
+    for (int i = threadIdx.x; i < kB * kB / 8; i += kBlockThreads) {
+      const int r = i / (kB / 8), ch = i % (kB / 8);
+      *reinterpret_cast<uint4*>(&tile[r][ch * 8]) =
+          *reinterpret_cast<const uint4*>(x + (r0 + r) * ld + c0 + ch * 8);
+    }
+  }
+};
+struct PackedRows {
+  const uint8_t* packed;
+  int64_t cols;
+  __device__ void load(__nv_bfloat16 (*tile)[kTileLd], int64_t r0, int64_t c0) const {
+    constexpr int kB = fp8::kBlock;
+    const int64_t row_bytes = fp8::packed_row_bytes(cols);
+    for (int i = threadIdx.x; i < kB * kB / 16; i += kBlockThreads) {
+      const int r = i / (kB / 16), ch = i % (kB / 16);
+      const uint8_t* src = packed + (r0 + r) * row_bytes;
+      dequantize_16(*reinterpret_cast<const uint4*>(src + c0 + ch * 16),
+                    reinterpret_cast<const float*>(src + cols)[c0 / kB],
+                    reinterpret_cast<uint4*>(&tile[r][ch * 16]));
+    }
+  }
+};
+
+// One CTA per 128 x 128 tile of x (rows r0.., columns c0..): the tile through shared memory;
+// thread t takes column c0 + t % 128, rows t / 128 * 64 .. + 63: the amax of its 64 values, then
+// the column's (k128x1) or the tile's (k128x128) through shared memory, then 64 e4m3 bytes as four
+// 16-byte stores into the transposed row c of q.
+template <TransposedScaling kScaling, typename Source>
+__global__ void __launch_bounds__(kBlockThreads)
+    quantize_transposed_kernel(Source source, int64_t max_rows, const int64_t* rows_on_device,
+                               bool pow2, uint8_t* q, float* block_scales) {
+  constexpr int kB = fp8::kBlock;
+  const int64_t r0 = int64_t{blockIdx.y} * kB, c0 = int64_t{blockIdx.x} * kB;
+  if (r0 >= *rows_on_device) return;
+  __shared__ __nv_bfloat16 tile[kB][kTileLd];
+  __shared__ float amax_of[2][kB];
+  source.load(tile, r0, c0);
+  __syncthreads();
+  const int col = threadIdx.x % kB, half = threadIdx.x / kB;
+  float v[kB / 2], m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kB / 2; ++i) {
+    v[i] = __bfloat162float(tile[half * kB / 2 + i][col]);
+    m = fp8::amax_nan(m, fabsf(v[i]));
+  }
+  amax_of[half][col] = m;
+  __syncthreads();
+  if constexpr (kScaling == TransposedScaling::k128x1) {
+    m = fp8::amax_nan(amax_of[0][col], amax_of[1][col]);
+  } else {
+    if (threadIdx.x < 32) {  // the tile's amax: a warp over the 256 partial ones
+      float t = 0.0f;
+      for (int i = threadIdx.x; i < 2 * kB; i += 32) t = fp8::amax_nan(t, amax_of[i / kB][i % kB]);
+      for (int off = 16; off > 0; off /= 2) t = fp8::amax_nan(t, __shfl_xor_sync(0xffffffffu, t, off));
+      if (threadIdx.x == 0) amax_of[0][0] = t;
+    }
+    __syncthreads();
+    m = amax_of[0][0];
+  }
+  const float scale = fp8::block_scale(m, pow2);
+  const int64_t row_bytes =
+      kScaling == TransposedScaling::k128x1 ? fp8::packed_row_bytes(max_rows) : max_rows;
+  uint8_t* dst = q + (c0 + col) * row_bytes + r0 + half * kB / 2;
+#pragma unroll
+  for (int chunk = 0; chunk < kB / 2 / 16; ++chunk) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = fp8::quantize_quad(v + chunk * 16 + k * 4, scale);
+    reinterpret_cast<uint4*>(dst)[chunk] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  if constexpr (kScaling == TransposedScaling::k128x1) {
+    if (half == 0)
+      reinterpret_cast<float*>(q + (c0 + col) * row_bytes + max_rows)[r0 / kB] = scale;
+  } else {
+    if (threadIdx.x == 0) block_scales[(c0 / kB) * (max_rows / kB) + r0 / kB] = scale;
+  }
+}
+
+template <typename Source>
+cudaError_t quantize_transposed(Source source, bool source_ok, int64_t max_rows,
+                                const int64_t* rows_on_device, int64_t cols,
+                                TransposedScaling scaling, bool pow2, uint8_t* q,
+                                float* block_scales, cudaStream_t stream) {
+  constexpr int64_t kB = fp8::kBlock;
+  if (max_rows < 0 || max_rows % kB != 0 || cols <= 0 || cols % kB != 0 || !source_ok ||
+      max_rows / kB > 65535 ||
+      (max_rows > 0 &&
+       (!rows_on_device || !q || (scaling == TransposedScaling::k128x128 && !block_scales))) ||
+      reinterpret_cast<uintptr_t>(q) % 16 != 0)
+    return cudaErrorInvalidValue;
+  if (max_rows == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(cols / kB), static_cast<unsigned>(max_rows / kB));
+  if (scaling == TransposedScaling::k128x1)
+    quantize_transposed_kernel<TransposedScaling::k128x1><<<grid, kBlockThreads, 0, stream>>>(
+        source, max_rows, rows_on_device, pow2, q, block_scales);
+  else
+    quantize_transposed_kernel<TransposedScaling::k128x128><<<grid, kBlockThreads, 0, stream>>>(
+        source, max_rows, rows_on_device, pow2, q, block_scales);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -293,6 +419,26 @@ cudaError_t launch_dequantize_rows_1x128(const uint8_t* packed, int64_t max_rows
                            stream>>>(packed, fp8::packed_row_bytes(cols), rows_on_device, cols,
                                      out);
   return cudaGetLastError();
+}
+
+cudaError_t launch_quantize_transposed(const __nv_bfloat16* x, int64_t ld, int64_t max_rows,
+                                       const int64_t* rows_on_device, int64_t cols,
+                                       TransposedScaling scaling, bool pow2, uint8_t* q,
+                                       float* block_scales, cudaStream_t stream) {
+  const bool x_ok = ld >= cols && ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                    (max_rows == 0 || x);
+  return quantize_transposed(Bf16Rows{x, ld}, x_ok, max_rows, rows_on_device, cols, scaling, pow2,
+                             q, block_scales, stream);
+}
+
+cudaError_t launch_requantize_transposed(const uint8_t* packed, int64_t max_rows,
+                                         const int64_t* rows_on_device, int64_t cols,
+                                         TransposedScaling scaling, bool pow2, uint8_t* q,
+                                         float* block_scales, cudaStream_t stream) {
+  const bool packed_ok =
+      reinterpret_cast<uintptr_t>(packed) % 16 == 0 && (max_rows == 0 || packed);
+  return quantize_transposed(PackedRows{packed, cols}, packed_ok, max_rows, rows_on_device, cols,
+                             scaling, pow2, q, block_scales, stream);
 }
 
 }  // namespace epflow::kernels

@@ -49,4 +49,26 @@ cudaError_t launch_dequantize_rows_1x128(const uint8_t* packed, int64_t max_rows
                                          const int64_t* rows_on_device, int64_t cols,
                                          __nv_bfloat16* out, int32_t ctas, cudaStream_t stream);
 
+// The FP8 weight gradients' operands (docs/design/fp8_backward.md): x [rows, cols] (bf16, row
+// stride ld elements; the pull table's rows, whose expert segments are whole 128-row blocks)
+// quantized along its rows and written transposed, contiguous along the rows (the K-major
+// operand of a GEMM whose K is the tokens), for rows [0, *rows_on_device) (read on the device, a
+// multiple of 128, at most max_rows). k128x1: a scale per column per 128 rows, q [cols,
+// fp8::packed_row_bytes(max_rows)] packed rows (row c: max_rows e4m3 values, then max_rows / 128
+// scales; the GEMMs' row operand). k128x128: a scale per 128 x 128 block, q [cols, max_rows]
+// e4m3 and block_scales [cols / 128, max_rows / 128] (the weights' layout). cols and max_rows
+// multiples of 128, ld of 8; x and q 16-byte aligned.
+enum class TransposedScaling { k128x1, k128x128 };
+cudaError_t launch_quantize_transposed(const __nv_bfloat16* x, int64_t ld, int64_t max_rows,
+                                       const int64_t* rows_on_device, int64_t cols,
+                                       TransposedScaling scaling, bool power_of_two_scales,
+                                       uint8_t* q, float* block_scales, cudaStream_t stream);
+// The same from packed rows [max_rows, fp8::packed_row_bytes(cols)] (1 x 128 blocks, 16-byte
+// aligned): bitwise launch_dequantize_rows_1x128 followed by launch_quantize_transposed, in one
+// pass over half the bytes (the FP8 backward's dy and x rows into the weight gradients).
+cudaError_t launch_requantize_transposed(const uint8_t* packed, int64_t max_rows,
+                                         const int64_t* rows_on_device, int64_t cols,
+                                         TransposedScaling scaling, bool power_of_two_scales,
+                                         uint8_t* q, float* block_scales, cudaStream_t stream);
+
 }  // namespace epflow::kernels

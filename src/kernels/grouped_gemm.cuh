@@ -78,6 +78,10 @@ struct Fp8Scales {
   const uint8_t* b_smem = nullptr;
   int32_t n_blocks = 0;
   bool power_of_two = false;
+  // K-grouped tiles (fp8_mainloop's kKGrouped: the FP8 weight gradients, K = an expert's rows):
+  // the tile's first K block k0 (the rows' scale boxes hold blocks from a multiple of 4), and
+  // where its two B scale rows start in their 1-D arrays.
+  int32_t k0 = 0, b_row0 = 0, b_row1 = 0;
 };
 
 // The rows' scales (Operands::kFP8) as the producer loads them: a TMA map of the rows' scale bytes
@@ -474,8 +478,10 @@ __device__ __forceinline__ void fp8_turn_pass(int wg) {
 // The FP8 mainloop of one consumer warpgroup (Operands::kFP8): per K block, each 128-column
 // half of the tile as four m64n128k32 e4m3 wgmmas into `part` (in turns with the other
 // warpgroup), then promoted into acc (the half's registers of an m64n256 accumulator) scaled by
-// the row's and the half's block scale, both read from shared memory (Fp8Scales).
-template <Epilogue kEpi, int kKUnroll, int kStages, int kStaging>
+// the row's and the half's block scale, both read from shared memory (Fp8Scales). kKGrouped: K
+// starts at block sc.k0 and the B scale rows at sc.b_row0 / b_row1; acc adds to what it holds
+// (a K range in chunks, the caller zeroes it first).
+template <Epilogue kEpi, int kKUnroll, int kStages, int kStaging, bool kKGrouped = false>
 __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
                                              PipelineState<kStages>& ps, const TileCoord& c,
                                              int32_t k_blocks, int wg, const Fp8Scales& sc,
@@ -484,21 +490,27 @@ __device__ __forceinline__ void fp8_mainloop(GemmSmem<kStages, kStaging>& s,
   const uint32_t row_scale0 = ptx::smem_addr(sc.a_smem) + (wg * 64 + warp * 16 + g) * 16;
   const uint32_t slot =
       ptx::smem_addr(sc.b_smem) + ps.scale_slot * 2 * kFp8WeightScaleRowBytes;
-  const uint32_t b0s = slot + (fp8_weight_scale_row<kEpi>(c, 0, sc.n_blocks, k_blocks) & 3) * 4;
-  const uint32_t b1s = slot + kFp8WeightScaleRowBytes +
-                       (fp8_weight_scale_row<kEpi>(c, 1, sc.n_blocks, k_blocks) & 3) * 4;
+  const int32_t b_row0 =
+      kKGrouped ? sc.b_row0 : fp8_weight_scale_row<kEpi>(c, 0, sc.n_blocks, k_blocks);
+  const int32_t b_row1 =
+      kKGrouped ? sc.b_row1 : fp8_weight_scale_row<kEpi>(c, 1, sc.n_blocks, k_blocks);
+  const uint32_t b0s = slot + (b_row0 & 3) * 4;
+  const uint32_t b1s = slot + kFp8WeightScaleRowBytes + (b_row1 & 3) * 4;
   const uint64_t a_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.a[0]) + wg * 64 * 128);
   const uint64_t b_desc0 = ptx::smem_desc_k_major_sw128(ptx::smem_addr(s.b[0]));
   constexpr uint32_t kHalfBytes = kTileCols / 2 * 128;  // a half's 128 weight rows of 128 B
   // NOTES: acc starts at zero so every K block promotes with one FFMA per value: a first block
   // written as a product made ptxas predicate both forms, issuing both in every block.
+  if constexpr (!kKGrouped) {
 #pragma unroll
-  for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
+  }
   float part[kTileCols / 4];
 #pragma unroll kKUnroll
   for (int32_t kb = 0; kb < k_blocks; ++kb, ps.advance()) {
     ptx::mbarrier_wait(&s.full[ps.stage], ps.phase);
-    const uint32_t box = row_scale0 + ps.stage * kFp8ScaleBoxBytes + (kb & 3) * 4;
+    const uint32_t box =
+        row_scale0 + ps.stage * kFp8ScaleBoxBytes + (((kKGrouped ? sc.k0 : 0) + kb) & 3) * 4;
     const float sa0 = ptx::ld_shared_f32(box), sa1 = ptx::ld_shared_f32(box + 8 * 16);
     const float sb0 = ptx::ld_shared_f32(b0s + kb * 4), sb1 = ptx::ld_shared_f32(b1s + kb * 4);
     const uint64_t a_desc = ptx::smem_desc_advance(a_desc0, ps.stage * sizeof(s.a[0]));

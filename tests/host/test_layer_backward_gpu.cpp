@@ -49,6 +49,9 @@ struct GradOptions {
   bool unfused = false;    // the unfused backward (bench/unfused)
   int32_t side_sms = -1;  // unfused: its side-stream SMs (0: none; < 0: its default)
   int32_t comm_sms = 0;   // > 0: the backward megakernel's communication SMs
+  // An FP8 layer's weight gradients (set_wgrad_precision): FP8 whatever the row count (the small
+  // shapes here would choose bf16), bf16, or as the layer chooses.
+  WgradPrecision wgrad = WgradPrecision::kFp8;
   // Where the expert weights and the weight gradients lie (the strided layouts read and written
   // in place; whole gradients only).
   testing::ExpertLayout weights = testing::ExpertLayout::kPacked;
@@ -179,6 +182,8 @@ Status run_backward(const LayerConfig& base, const std::vector<reference::RankEx
     }
     if (options.comm_sms > 0)
       if (Status s = layer->set_backward_comm_sms(options.comm_sms); !s.ok()) return s;
+    if (c.dtype == DType::kFP8Blockwise)
+      if (Status s = layer->set_wgrad_precision(options.wgrad); !s.ok()) return s;
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
     const int64_t T = in[rank].num_tokens;
     const testing::ExpertPlacement wp = testing::place_experts(options.weights, E, H, I);
@@ -406,14 +411,18 @@ void run_and_check(const LayerConfig& c, const CallInputs& in, const GradOptions
   ASSERT_TRUE(s.ok()) << s.to_string();
   // bf16 storage of dx rows, dg/du and the gradients themselves: a few 1e-3 in practice.
   const double tol = fp8 ? kFp8VsMatched : options.dtype == GradDType::kFP32 ? 2e-2 : 3e-2;
+  // FP8 weight gradients round their operands again (128 x 1 and 128 x 128 along the tokens),
+  // which the matched reference does not: FP8's own error against both references. (Their
+  // kernels are checked bitwise and tightly in test_fp8_quantize_gpu and test_fp8_wgrad_gpu.)
+  const double weight_tol = fp8 && options.wgrad != WgradPrecision::kBf16 ? kFp8VsExact : tol;
   const double weight_scale = options.backward_calls;
   for (int r = 0; r < c.ep_size; ++r) {
     SCOPED_TRACE(::testing::Message() << "rank " << r);
     expect_close(got[r].dx, want[r].dx, 1.0, tol, "dx");
     expect_close(got[r].d_topk_weights, want[r].d_topk_weights, 1.0, tol, "d topk_weights");
-    expect_close(got[r].d_gate, want[r].d_gate, weight_scale, tol, "d W_gate");
-    expect_close(got[r].d_up, want[r].d_up, weight_scale, tol, "d W_up");
-    expect_close(got[r].d_down, want[r].d_down, weight_scale, tol, "d W_down");
+    expect_close(got[r].d_gate, want[r].d_gate, weight_scale, weight_tol, "d W_gate");
+    expect_close(got[r].d_up, want[r].d_up, weight_scale, weight_tol, "d W_up");
+    expect_close(got[r].d_down, want[r].d_down, weight_scale, weight_tol, "d W_down");
     if (!fp8) continue;
     SCOPED_TRACE("against the exact bf16 reference");
     expect_close(got[r].dx, exact[r].dx, 1.0, kFp8VsExact, "dx");
@@ -608,7 +617,8 @@ EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, CapturedInCudaGraph, captured_in_cuda
 
 // --- FP8 (LayerConfig::dtype = kFP8Blockwise) ---------------------------------------------
 
-// The FP8 backward against the quantization-matched reference and the exact one: H 256, I 384
+// The FP8 backward (weight gradients in FP8, the default) against the quantization-matched
+// reference and the exact one: H 256, I 384
 // (the last dhp tile's second 128-column block lies past I), 8 experts per rank, top-4; uniform,
 // imbalanced, one-expert and empty-slot routings, token counts off the tile, T = 0 on a rank;
 // power-of-two scales; bf16 gradients and accumulated fp32 ones; a forward ring that wraps with
@@ -646,6 +656,36 @@ void fp8_backward(int world) {
 }
 
 EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, Fp8MatchesTheReferences, fp8_backward)
+
+// The FP8 layer with its weight gradients in bf16 on the dequantized rows (what the bench compares
+// the FP8 ones with): every gradient tightly against the matched reference, on the routings
+// above, accumulated fp32 and bf16 gradients, Megatron-Core's layouts, a graph.
+void fp8_bf16_weight_gradients(int world) {
+  LayerConfig c = small_ring_config(world, 600);
+  c.hidden = 256;
+  c.intermediate = 384;
+  c.dtype = DType::kFP8Blockwise;
+  GradOptions fp8;
+  fp8.wgrad = WgradPrecision::kBf16;
+  run_and_check(c, testing::make_call(c, tokens_for(c, 300, 77), Routing::kUniform, 40), fp8);
+  run_and_check(c, testing::make_call(c, tokens_for(c, 0, 513), Routing::kImbalanced, 41), fp8);
+  run_and_check(c, testing::make_call(c, tokens_for(c, 129, 37), Routing::kWithEmptySlots, 42),
+                fp8);
+  GradOptions accumulated = fp8;
+  accumulated.backward_calls = 2;
+  accumulated.weights = testing::ExpertLayout::kFusedGateUp;
+  accumulated.grads = testing::ExpertLayout::kDdpReversed;
+  run_and_check(c, testing::make_call(c, tokens_for(c, 150, 250), Routing::kUniform, 43),
+                accumulated);
+  GradOptions bf16 = fp8;
+  bf16.dtype = GradDType::kBF16;
+  bf16.check_graph = true;
+  run_and_check(c, testing::make_call(c, tokens_for(c, 400, 211), Routing::kSingleExpert, 44),
+                bf16);
+}
+
+EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, Fp8WithBf16WeightGradientsMatchesTheReferences,
+                         fp8_bf16_weight_gradients)
 
 // --- the DeepSeek-V3 per-rank shape, checked on samples --------------------------------------
 
@@ -729,7 +769,9 @@ std::vector<int64_t> sampled_tokens(int64_t T, std::mt19937_64& rng) {
 // dx and d topk_weights written (finite) and every empty slot's d topk_weights exactly 0; the
 // dx rows and d topk_weights of the sampled tokens, and the sampled weight-gradient elements of
 // each matrix, within run_and_check's tolerances as one relative error per rank; the experts
-// without rows' elements exactly 0 (written as zeros).
+// without rows' elements exactly 0 (written as zeros). FP8 layers: dx and d topk_weights against
+// the quantization-matched reference (backward_token_fp8), the FP8 weight gradients against the
+// exact ones at FP8's tolerance.
 void check_samples(const LayerConfig& c, const std::vector<reference::RankExperts>& experts,
                    const CallInputs& in, GradDType dtype, uint64_t seed, const char* what) {
   SCOPED_TRACE(what);
@@ -747,10 +789,18 @@ void check_samples(const LayerConfig& c, const std::vector<reference::RankExpert
   }
   GradOptions options;
   options.dtype = dtype;
+  options.wgrad = WgradPrecision::kAuto;  // FP8: bf16 weight gradients at few rows per expert
   RankGrads got;
   const Status s = run_backward(c, experts, in, dy, options, &got, &sampled);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  const double tol = dtype == GradDType::kFP32 ? 2e-2 : 3e-2;  // run_and_check's
+  const bool fp8 = c.dtype == DType::kFP8Blockwise;
+  const double tol = fp8                         ? kFp8VsMatched
+                     : dtype == GradDType::kFP32 ? 2e-2
+                                                 : 3e-2;  // run_and_check's
+  const double weight_tol = fp8 ? kFp8VsExact : tol;
+  const reference::Fp8Experts fp8_experts =
+      fp8 ? reference::quantize_experts_fp8(c, experts, c.fp8_power_of_two_scales)
+          : reference::Fp8Experts{};
 
   for (int r = 0; r < c.ep_size; ++r) {
     SCOPED_TRACE(::testing::Message() << "rank " << r);
@@ -772,9 +822,14 @@ void check_samples(const LayerConfig& c, const std::vector<reference::RankExpert
     std::vector<float> want_dx(n * H), want_dtw(n * K), got_dx(n * H), got_dtw(n * K);
     parallel_for(n, [&](int64_t i) {
       const int64_t t = tokens[i];
-      reference::backward_token(c, experts, &rank_in.x[t * H], &rank_in.topk_idx[t * K],
-                                &rank_in.topk_weights[t * K], &dy[r][t * H], &want_dx[i * H],
-                                &want_dtw[i * K]);
+      if (fp8)
+        reference::backward_token_fp8(c, fp8_experts, &rank_in.x[t * H], &rank_in.topk_idx[t * K],
+                                      &rank_in.topk_weights[t * K], &dy[r][t * H],
+                                      &want_dx[i * H], &want_dtw[i * K]);
+      else
+        reference::backward_token(c, experts, &rank_in.x[t * H], &rank_in.topk_idx[t * K],
+                                  &rank_in.topk_weights[t * K], &dy[r][t * H], &want_dx[i * H],
+                                  &want_dtw[i * K]);
       std::copy_n(&got[r].dx[t * H], H, &got_dx[i * H]);
       std::copy_n(&got[r].d_topk_weights[t * K], K, &got_dtw[i * K]);
     });
@@ -809,10 +864,21 @@ void check_samples(const LayerConfig& c, const std::vector<reference::RankExpert
         got_m.push_back(values[i]);
         want_m.push_back(want[i]);
       }
-      expect_close(got_m, want_m, 1.0, tol,
+      expect_close(got_m, want_m, 1.0, weight_tol,
                    std::string(name) + ": " + std::to_string(got_m.size()) + " sampled elements");
     }
   }
+}
+
+// Imbalanced routing (the busiest expert gets nearly every token) with local expert 3 of every
+// rank emptied: an expert without rows at any T.
+CallInputs imbalanced_without_expert_3(const LayerConfig& c, const std::vector<int64_t>& tokens,
+                                       uint64_t seed) {
+  CallInputs in = testing::make_call(c, tokens, Routing::kImbalanced, seed);
+  for (reference::RankInput& r : in)
+    for (int32_t& expert : r.topk_idx)
+      if (expert >= 0 && expert % c.experts_per_rank() == 3) expert = -1;
+  return in;
 }
 
 // The backward at the DeepSeek-V3 per-rank shape on `world` GPUs, checked on samples
@@ -831,11 +897,7 @@ void deepseek_v3(int world) {
                 GradDType::kFP32, 42, "T = 129, empty slots");
   check_samples(c, experts, testing::make_call(c, tokens_4096, Routing::kUniform, 33),
                 GradDType::kBF16, 43, "T = 4096, uniform routing, bf16 weight gradients");
-  CallInputs imbalanced = testing::make_call(c, tokens_4096, Routing::kImbalanced, 34);
-  for (reference::RankInput& r : imbalanced)
-    for (int32_t& expert : r.topk_idx)
-      if (expert >= 0 && expert % c.experts_per_rank() == 3) expert = -1;
-  check_samples(c, experts, imbalanced, GradDType::kFP32, 44,
+  check_samples(c, experts, imbalanced_without_expert_3(c, tokens_4096, 34), GradDType::kFP32, 44,
                 "T = 4096, imbalanced routing, local expert 3 of every rank emptied");
 }
 
@@ -847,6 +909,31 @@ TEST(LayerBackwardGpu, DeepSeekV3ShapeEp1) {
 TEST(LayerBackwardGpu, DeepSeekV3ShapeEp2) {
   EPFLOW_SKIP_WITHOUT_GPUS(2);
   deepseek_v3(2);
+}
+
+// The FP8 layer at the DeepSeek-V3 per-rank shape, weight gradients as it chooses: T = 129 with
+// empty slots (bf16 ones: 32 rows per expert), and T = 4096 with imbalanced routing and local
+// expert 3 of every rank emptied (FP8 ones; the busiest expert's K past 31 blocks); fp32 weight
+// gradients.
+void deepseek_v3_fp8(int world) {
+  LayerConfig c = deepseek_v3_config(world);
+  c.dtype = DType::kFP8Blockwise;
+  const auto experts = testing::make_bf16_experts(c, 22);
+  const std::vector<int64_t> tokens_129(world, 129), tokens_4096(world, 4096);
+  check_samples(c, experts, testing::make_call(c, tokens_129, Routing::kWithEmptySlots, 35),
+                GradDType::kFP32, 45, "FP8, T = 129, empty slots");
+  check_samples(c, experts, imbalanced_without_expert_3(c, tokens_4096, 36), GradDType::kFP32, 46,
+                "FP8, T = 4096, imbalanced routing, local expert 3 of every rank emptied");
+}
+
+TEST(LayerBackwardGpu, Fp8DeepSeekV3ShapeEp1) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  deepseek_v3_fp8(1);
+}
+
+TEST(LayerBackwardGpu, Fp8DeepSeekV3ShapeEp2) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  deepseek_v3_fp8(2);
 }
 
 // Contexts in flight: several layers (experts of their own, shapes their own) on one shared
@@ -882,6 +969,8 @@ void run_schedule(const std::vector<LayerConfig>& cs, const std::vector<std::vec
     struct PerLayer {
       std::unique_ptr<LayerCore> core;
       Poisoned w[3];
+      Poisoned fp8;  // FP8 layers: the weights quantized (with the backward's transposed copies)
+      Fp8ExpertWeights fp8_weights;
     };
     struct PerCall {
       Poisoned x, y, idx, tw, d_y, dx, dtw, dgate, dup, ddown, context;
@@ -907,6 +996,8 @@ void run_schedule(const std::vector<LayerConfig>& cs, const std::vector<std::vec
       const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, E = c.experts_per_rank();
       const SharedWorkspace::Needs before = shared->capacity();
       if (Status e = LayerCore::create(rc, shared, &L[l].core); !e.ok()) return e;
+      if (c.dtype == DType::kFP8Blockwise)  // FP8 weight gradients at these small shapes too
+        if (Status e = L[l].core->set_wgrad_precision(WgradPrecision::kFp8); !e.ok()) return e;
       // The workspace holds, per purpose, the most any of its layers needs (the window rounded
       // up to NCCL's granularity): a layer whose needs fit adds nothing.
       const SharedWorkspace::Needs need = L[l].core->workspace().needs(), after = shared->capacity();
@@ -924,6 +1015,17 @@ void run_schedule(const std::vector<LayerConfig>& cs, const std::vector<std::vec
         const auto b = to_bf16_on_every_core(*host_w[i]);
         if (Status e = L[l].w[i].create(static_cast<int64_t>(b.size()), 2); !e.ok()) return e;
         EPFLOW_TRY_CUDA(cudaMemcpy(L[l].w[i].ptr, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+      }
+      if (c.dtype == DType::kFP8Blockwise) {
+        const int64_t bytes = fp8_expert_weights_bytes(c);
+        if (Status e = L[l].fp8.create(bytes, 1); !e.ok()) return e;
+        const ExpertWeights bf16{static_cast<__nv_bfloat16*>(L[l].w[0].ptr),
+                                 static_cast<__nv_bfloat16*>(L[l].w[1].ptr),
+                                 static_cast<__nv_bfloat16*>(L[l].w[2].ptr)};
+        if (Status e = quantize_expert_weights(rc, bf16, c.fp8_power_of_two_scales, L[l].fp8.ptr,
+                                               bytes, &L[l].fp8_weights, nullptr);
+            !e.ok())
+          return e;
       }
       calls[l] = std::vector<PerCall>(n_mb);
       for (int m = 0; m < n_mb; ++m) {
@@ -954,6 +1056,7 @@ void run_schedule(const std::vector<LayerConfig>& cs, const std::vector<std::vec
         pc.f.weights = {static_cast<__nv_bfloat16*>(L[l].w[0].ptr),
                         static_cast<__nv_bfloat16*>(L[l].w[1].ptr),
                         static_cast<__nv_bfloat16*>(L[l].w[2].ptr)};
+        pc.f.weights.fp8 = L[l].fp8_weights;
         pc.f.y = static_cast<__nv_bfloat16*>(pc.y.ptr);
         pc.b.dy = static_cast<__nv_bfloat16*>(pc.d_y.ptr);
         pc.b.dx = static_cast<__nv_bfloat16*>(pc.dx.ptr);
@@ -1002,29 +1105,42 @@ void run_schedule(const std::vector<LayerConfig>& cs, const std::vector<std::vec
   ASSERT_TRUE(s.ok()) << s.to_string();
   for (int l = 0; l < layers; ++l)
     for (int m = 0; m < n_mb; ++m) {
+      // FP8 layers against the quantization-matched references (their forward's and
+      // backward_fp8, whose weight gradients are bf16: FP8's own tolerance for the layer's FP8
+      // ones), bf16 layers against the exact ones.
+      const LayerConfig& c = cs[l];
+      const bool fp8 = c.dtype == DType::kFP8Blockwise;
       std::vector<std::vector<float>> want_y;
       RankGrads want;
-      ASSERT_TRUE(reference::forward(cs[l], mbs[l][m], experts[l], &want_y).ok());
-      ASSERT_TRUE(reference::backward(cs[l], mbs[l][m], experts[l], dy[l][m], &want).ok());
+      ASSERT_TRUE((fp8 ? reference::forward_fp8(c, mbs[l][m], experts[l],
+                                                c.fp8_power_of_two_scales, &want_y)
+                       : reference::forward(c, mbs[l][m], experts[l], &want_y))
+                      .ok());
+      ASSERT_TRUE((fp8 ? reference::backward_fp8(c, mbs[l][m], experts[l], dy[l][m],
+                                                 c.fp8_power_of_two_scales, &want)
+                       : reference::backward(c, mbs[l][m], experts[l], dy[l][m], &want))
+                      .ok());
+      const double tol = fp8 ? kFp8VsMatched : 2e-2, weight_tol = fp8 ? kFp8VsExact : 2e-2;
       for (int r = 0; r < world; ++r) {
         SCOPED_TRACE(::testing::Message() << "layer " << l << ", micro-batch " << m << ", rank "
                                           << r);
-        expect_close(got_y[l][m][r], want_y[r], 1.0, 2e-2, "y");
-        expect_close(got[l][m][r].dx, want[r].dx, 1.0, 2e-2, "dx");
-        expect_close(got[l][m][r].d_topk_weights, want[r].d_topk_weights, 1.0, 2e-2,
+        expect_close(got_y[l][m][r], want_y[r], 1.0, tol, "y");
+        expect_close(got[l][m][r].dx, want[r].dx, 1.0, tol, "dx");
+        expect_close(got[l][m][r].d_topk_weights, want[r].d_topk_weights, 1.0, tol,
                      "d topk_weights");
-        expect_close(got[l][m][r].d_gate, want[r].d_gate, 1.0, 2e-2, "d W_gate");
-        expect_close(got[l][m][r].d_up, want[r].d_up, 1.0, 2e-2, "d W_up");
-        expect_close(got[l][m][r].d_down, want[r].d_down, 1.0, 2e-2, "d W_down");
+        expect_close(got[l][m][r].d_gate, want[r].d_gate, 1.0, weight_tol, "d W_gate");
+        expect_close(got[l][m][r].d_up, want[r].d_up, 1.0, weight_tol, "d W_up");
+        expect_close(got[l][m][r].d_down, want[r].d_down, 1.0, weight_tol, "d W_down");
       }
     }
 }
 
 // Forward through three layers, then their backwards in reverse (as a model runs them); and
 // the 1F1B order over two layers and two micro-batches with an inference forward in between,
-// some calls on a second stream.
-void contexts_in_flight(int world) {
-  const LayerConfig c = small_ring_config(world, 400);
+// some calls on a second stream. bf16 or FP8 layers.
+void contexts_in_flight(int world, DType dtype = DType::kBF16) {
+  LayerConfig c = small_ring_config(world, 400);
+  c.dtype = dtype;
   const CallInputs a = testing::make_call(c, tokens_for(c, 300, 211), Routing::kImbalanced, 70);
   const CallInputs b = testing::make_call(c, tokens_for(c, 77, 400), Routing::kWithEmptySlots, 71);
   using K = StepKind;
@@ -1047,16 +1163,29 @@ TEST(LayerBackwardGpu, ContextsInFlightInAnyOrderEp2) {
   contexts_in_flight(2);
 }
 
+TEST(LayerBackwardGpu, Fp8ContextsInFlightInAnyOrderEp1) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  contexts_in_flight(1, DType::kFP8Blockwise);
+}
+
+TEST(LayerBackwardGpu, Fp8ContextsInFlightInAnyOrderEp2) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  contexts_in_flight(2, DType::kFP8Blockwise);
+}
+
 // Layers of three shapes on one workspace, created small, large, small (the large one grows
 // the memory; the later small one fits): forwards of all, backwards in reverse with an inference
-// forward between, calls alternating between two streams.
-void shapes_share_one_workspace(int world) {
+// forward between, calls alternating between two streams. All bf16, or the large one FP8 (an
+// FP8 layer beside bf16 ones on one workspace).
+void shapes_share_one_workspace(int world, DType large_dtype = DType::kBF16) {
   const LayerConfig small = small_ring_config(world, 300);
   LayerConfig large = small_ring_config(world, 520);
   large.hidden = small.hidden + 128;
   large.intermediate = 320;
   large.top_k = small.top_k + 2;
   large.ring_rows = 512;
+  large.dtype = large_dtype;
+  if (large_dtype == DType::kFP8Blockwise) large.intermediate = 384;  // FP8: whole 128-blocks
   LayerConfig other = small;
   other.num_experts = small.num_experts / 2;
   const CallInputs s0 = testing::make_call(small, tokens_for(small, 300, 123), Routing::kImbalanced, 80);
@@ -1077,6 +1206,16 @@ TEST(LayerBackwardGpu, ShapesShareOneWorkspaceEp1) {
 TEST(LayerBackwardGpu, ShapesShareOneWorkspaceEp2) {
   EPFLOW_SKIP_WITHOUT_GPUS(2);
   shapes_share_one_workspace(2);
+}
+
+TEST(LayerBackwardGpu, Fp8AndBf16LayersShareOneWorkspaceEp1) {
+  EPFLOW_SKIP_WITHOUT_GPUS(1);
+  shapes_share_one_workspace(1, DType::kFP8Blockwise);
+}
+
+TEST(LayerBackwardGpu, Fp8AndBf16LayersShareOneWorkspaceEp2) {
+  EPFLOW_SKIP_WITHOUT_GPUS(2);
+  shapes_share_one_workspace(2, DType::kFP8Blockwise);
 }
 
 // One token routed to expert 0 on a small EP=1 layer, its forward and backward arguments over

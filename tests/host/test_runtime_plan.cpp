@@ -121,5 +121,16 @@ TEST(RuntimePlan, RejectsKnobsThatDoNotFit) {
   EXPECT_NE(s.message().find("ring_rows (512)"), std::string::npos) << s.message();
 }
 
+// FP8 weight gradients from 256 routed rows per local expert on average (T·K / E_local): not at
+// 512 DeepSeek-V3 tokens per rank (128 rows per expert), from 1024 (256) on.
+TEST(RuntimePlan, Fp8WeightGradientsFromTwoKBlocksPerExpert) {
+  LayerConfig c = deepseek_v3_ep2();  // 32 experts per rank, top-8
+  EXPECT_FALSE(fp8_weight_gradients_pay(c, 0));
+  EXPECT_FALSE(fp8_weight_gradients_pay(c, 512));
+  EXPECT_FALSE(fp8_weight_gradients_pay(c, 1023));
+  EXPECT_TRUE(fp8_weight_gradients_pay(c, 1024));
+  EXPECT_TRUE(fp8_weight_gradients_pay(c, 8192));
+}
+
 }  // namespace
 }  // namespace epflow::runtime

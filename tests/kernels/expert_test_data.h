@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include "common/splitmix64.h"
@@ -86,6 +87,32 @@ inline void with_and_without_expert_rows(Run&& run) {
     SCOPED_TRACE(pass_expert_rows ? "with expert_rows" : "without expert_rows");
     run(pass_expert_rows);
   }
+}
+
+// A weight-gradient GEMM's dw [experts, m, n] (bf16, or fp32 with fp32_out) copied back as
+// floats, checked: every element written (finite over its poison), an expert without rows
+// exactly zero.
+inline std::vector<float> fetch_dw(const void* d_dw, const std::vector<int64_t>& rows, int64_t m,
+                                   int64_t n, bool fp32_out) {
+  const int64_t experts = static_cast<int64_t>(rows.size());
+  std::vector<float> dw(experts * m * n);
+  if (fp32_out) {
+    EXPECT_EQ(cudaMemcpy(dw.data(), d_dw, 4 * dw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  } else {
+    std::vector<uint16_t> bits(dw.size());
+    EXPECT_EQ(cudaMemcpy(bits.data(), d_dw, 2 * bits.size(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (size_t i = 0; i < bits.size(); ++i) dw[i] = bf16_to_float(bits[i]);
+  }
+  int64_t not_finite = 0, empty_nonzero = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t i = e * m * n; i < (e + 1) * m * n; ++i) {
+      not_finite += !std::isfinite(dw[i]);
+      empty_nonzero += rows[e] == 0 && dw[i] != 0.0f;
+    }
+  EXPECT_EQ(not_finite, 0) << "elements of dw not written (or not finite)";
+  EXPECT_EQ(empty_nonzero, 0) << "nonzero gradient for an expert without rows";
+  return dw;
 }
 
 // An output of max_rows x cols bf16 over expert segments seg[e] .. seg[e + 1] (rows[e] of them

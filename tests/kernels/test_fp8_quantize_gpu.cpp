@@ -40,10 +40,11 @@ std::vector<float> to_float(const std::vector<__nv_bfloat16>& v) {
   return f;
 }
 
-// Bytes and scales as the reference's, and exactly two NaN scales: every test input holds one NaN
-// and one infinity, each in its own block.
+// Bytes and scales as the reference's, and exactly nan_scales NaN scales: every test input holds
+// one NaN and one infinity, each in its own block (two; more where a quantized input spread them).
 void expect_same(const std::vector<uint8_t>& q, const std::vector<uint8_t>& want_q,
-                 const std::vector<float>& s, const std::vector<float>& want_s) {
+                 const std::vector<float>& s, const std::vector<float>& want_s,
+                 int64_t nan_scales = 2) {
   int64_t bad_q = 0, bad_s = 0;
   for (size_t i = 0; i < q.size(); ++i) bad_q += q[i] != want_q[i];
   for (size_t i = 0; i < s.size(); ++i) {
@@ -56,7 +57,7 @@ void expect_same(const std::vector<uint8_t>& q, const std::vector<uint8_t>& want
   EXPECT_EQ(bad_s, 0) << "scales differing from the reference, of " << s.size();
   int64_t lost = 0;
   for (float v : s) lost += std::isnan(v);
-  EXPECT_EQ(lost, 2) << "the NaN's and the infinity's blocks, and no other";
+  EXPECT_EQ(lost, nan_scales) << "the NaN's and the infinity's blocks, and no other";
 }
 
 // Dense rows of 300 columns (a partial block, rows not 16-byte aligned: the warp-per-block
@@ -169,6 +170,118 @@ TEST(Fp8QuantizeGpu, MatricesMatchTheReference) {
       EXPECT_EQ(wrong, 0) << "bytes of the transposed copy differ from the transposed quantization";
       EXPECT_EQ(wrong_scales, 0) << "the transposed copy's scales differ from the transposed ones";
     }
+}
+
+// The weight gradients' FP8 operands: x [rows, cols] quantized along the rows and written
+// transposed, by 128 x 1 blocks into packed rows and by 128 x 128 blocks with separate scales;
+// bitwise the reference's quantization of the transposed matrix (1 x 128 rows, 128 x 128
+// blocks). x as bf16 rows (a row stride past cols: launch_quantize_transposed) and as packed
+// 1 x 128 rows (launch_requantize_transposed: the reference quantizes their dequantized values,
+// each e4m3 value times its scale rounded to bf16). Of a capacity of 384 rows only the 256 the
+// device says are written: the rest keeps its poison.
+TEST(Fp8QuantizeGpu, TransposedOperandsMatchTheReference) {
+  EPFLOW_SKIP_WITHOUT_GPU();
+  const int64_t max_rows = 384, rows = 256, cols = 256, ld = cols + 64;
+  const int64_t packed_row = fp8::packed_row_bytes(cols);
+  for (bool from_packed : {false, true})
+    for (auto scaling : {kernels::TransposedScaling::k128x1, kernels::TransposedScaling::k128x128})
+      for (bool pow2 : {false, true}) {
+        const bool per_column = scaling == kernels::TransposedScaling::k128x1;
+        SCOPED_TRACE(::testing::Message() << (from_packed ? "packed rows, " : "bf16 rows, ")
+                                          << (per_column ? "128 x 1" : "128 x 128")
+                                          << (pow2 ? ", power-of-two scales" : ", plain scales"));
+        // A NaN in row 5 of column 3, an infinity in row 200 of column 130: their blocks' scales.
+        const auto x = make_values(max_rows * ld, 8, 5 * ld + 3, 200 * ld + 130);
+        // The packed rows: x's rows quantized 1 x 128 by the reference.
+        std::vector<uint8_t> packed(max_rows * packed_row, 0);
+        for (int64_t r = 0; r < max_rows; ++r) {
+          std::vector<float> row(cols);
+          for (int64_t c = 0; c < cols; ++c) row[c] = __bfloat162float(x[r * ld + c]);
+          reference::quantize_rows_1x128(row.data(), 1, cols, pow2, &packed[r * packed_row],
+                                         reinterpret_cast<float*>(&packed[r * packed_row + cols]));
+        }
+        auto value = [&](int64_t r, int64_t c) {  // what the device reads at row r, column c
+          if (!from_packed) return __bfloat162float(x[r * ld + c]);
+          float scale;
+          std::memcpy(&scale, &packed[r * packed_row + cols + c / 128 * 4], 4);
+          return __bfloat162float(
+              __float2bfloat16(fp8::to_float(packed[r * packed_row + c]) * scale));
+        };
+        std::vector<float> xt(cols * rows);  // the rows the device quantizes, transposed
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) xt[c * rows + r] = value(r, c);
+        std::vector<uint8_t> want_q(cols * rows);
+        std::vector<float> want_s(per_column ? cols * rows / 128 : cols / 128 * rows / 128);
+        if (per_column)
+          reference::quantize_rows_1x128(xt.data(), cols, rows, pow2, want_q.data(), want_s.data());
+        else
+          reference::quantize_blocks_128x128(xt.data(), cols, rows, pow2, want_q.data(),
+                                             want_s.data());
+        const int64_t row_bytes = per_column ? fp8::packed_row_bytes(max_rows) : max_rows;
+        __nv_bfloat16* dx = nullptr;
+        uint8_t* dq = nullptr;
+        float* ds = nullptr;
+        int64_t* d_rows = nullptr;
+        const int64_t n_scales = cols / 128 * max_rows / 128;
+        uint8_t* dpacked = nullptr;
+        EPFLOW_CUDA_CHECK(cudaMalloc(&dx, x.size() * 2));
+        EPFLOW_CUDA_CHECK(cudaMalloc(&dpacked, packed.size()));
+        EPFLOW_CUDA_CHECK(cudaMalloc(&dq, cols * row_bytes));
+        EPFLOW_CUDA_CHECK(cudaMalloc(&ds, n_scales * 4));
+        EPFLOW_CUDA_CHECK(cudaMalloc(&d_rows, sizeof(int64_t)));
+        EPFLOW_CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+        EPFLOW_CUDA_CHECK(
+            cudaMemcpy(dpacked, packed.data(), packed.size(), cudaMemcpyHostToDevice));
+        EPFLOW_CUDA_CHECK(cudaMemcpy(d_rows, &rows, sizeof rows, cudaMemcpyHostToDevice));
+        EPFLOW_CUDA_CHECK(cudaMemset(dq, 0xAB, cols * row_bytes));
+        EPFLOW_CUDA_CHECK(cudaMemset(ds, 0xFF, n_scales * 4));
+        if (from_packed)
+          EPFLOW_CUDA_CHECK(kernels::launch_requantize_transposed(dpacked, max_rows, d_rows, cols,
+                                                                  scaling, pow2, dq, ds, nullptr));
+        else
+          EPFLOW_CUDA_CHECK(kernels::launch_quantize_transposed(dx, ld, max_rows, d_rows, cols,
+                                                                scaling, pow2, dq, ds, nullptr));
+        std::vector<uint8_t> got(cols * row_bytes);
+        std::vector<float> got_block_scales(n_scales);
+        EPFLOW_CUDA_CHECK(cudaMemcpy(got.data(), dq, got.size(), cudaMemcpyDeviceToHost));
+        EPFLOW_CUDA_CHECK(cudaMemcpy(got_block_scales.data(), ds, n_scales * 4,
+                                     cudaMemcpyDeviceToHost));
+        for (void* p : {static_cast<void*>(dx), static_cast<void*>(dpacked), static_cast<void*>(dq),
+                        static_cast<void*>(ds), static_cast<void*>(d_rows)})
+          EPFLOW_CUDA_CHECK(cudaFree(p));
+        std::vector<uint8_t> q(cols * rows);
+        std::vector<float> sc(want_s.size());
+        int64_t untouched_wrong = 0;
+        for (int64_t c = 0; c < cols; ++c) {
+          for (int64_t r = 0; r < max_rows; ++r) {
+            if (r < rows)
+              q[c * rows + r] = got[c * row_bytes + r];
+            else
+              untouched_wrong += got[c * row_bytes + r] != 0xAB;
+          }
+          if (per_column)
+            for (int64_t b = 0; b < max_rows / 128; ++b) {
+              float v;
+              std::memcpy(&v, &got[c * row_bytes + max_rows + b * 4], 4);
+              if (b < rows / 128)
+                sc[c * rows / 128 + b] = v;
+              else
+                untouched_wrong += got[c * row_bytes + max_rows + b * 4] != 0xAB;
+            }
+        }
+        if (!per_column)
+          for (int64_t cb = 0; cb < cols / 128; ++cb)
+            for (int64_t b = 0; b < max_rows / 128; ++b) {
+              const float v = got_block_scales[cb * (max_rows / 128) + b];
+              if (b < rows / 128)
+                sc[cb * rows / 128 + b] = v;
+              else
+                untouched_wrong += !std::isnan(v);  // 0xFFFFFFFF: still the poison
+            }
+        // Packed rows hold the NaN and the infinity as NaN 1 x 128 row blocks: 128 columns each.
+        expect_same(q, want_q, sc, want_s, from_packed && per_column ? 2 * 128 : 2);
+        EXPECT_EQ(untouched_wrong, 0) << "bytes or scales past the device's row count written";
+      }
 }
 
 TEST(Fp8QuantizeGpu, RejectsBadShapes) {
