@@ -95,18 +95,25 @@ def render_fp8_backward(runs):
     --backward), with the backward's two largest stages."""
     rows = {}
     for r in runs:
-        if r["direction"] == "bwd" and r["system"] in (FP8, "epflow"):
+        if r["direction"] == "bwd" and r["system"] in (FP8, "epflow", "nccl-pytorch"):
             rows.setdefault(point(r), {})[r["system"]] = r
     print("| preset | tokens/rank | EP | routing | FP8 backward µs (TFLOP/s/GPU) | bf16 backward "
           "µs | FP8 speedup | megakernel µs FP8 / bf16 | weight-gradient stage µs FP8 / bf16 "
           "| FP8 layer's weight gradients | in the other precision: FP8 backward µs (stage µs) "
-          "| FP8 step µs (re-quantization µs) | bf16 step µs | FP8 step speedup | device "
-          "| commit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| FP8 step µs (re-quantization µs) | bf16 step µs | FP8 step speedup "
+          "| NCCL+PyTorch bf16 step µs (FP8 step speedup) | device | commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def stage(r, prefix):
         return next((v for k, v in r.get("stage_us", {}).items() if k.startswith(prefix)),
                     float("nan"))
+    def torch_step(torch, fp8):
+        """NCCL+PyTorch's bf16 training step of the same run (run_all.py --dtype fp8
+        --backward), and the FP8 step's speedup over it."""
+        if torch is None or "train_step_us" not in torch:
+            return "n/a"
+        return f"{torch['train_step_us']:.0f} ({torch['train_step_us'] / fp8['train_step_us']:.2f}x)"
+
     def other_wgrad(r):
         """The precision the FP8 layer chose and its backward with the other one (runs before the
         choice existed: bf16, not compared)."""
@@ -127,6 +134,7 @@ def render_fp8_backward(runs):
               f"| {other_wgrad(fp8)} "
               f"| {fp8['train_step_us']:.0f} ({fp8.get('train_step_quantize_us', float('nan')):.0f}) "
               f"| {bf16['train_step_us']:.0f} | {bf16['train_step_us'] / fp8['train_step_us']:.2f}x "
+              f"| {torch_step(rows[key].get('nccl-pytorch'), fp8)} "
               f"| {fp8['device']} | {fp8['commit']} |")
 
 

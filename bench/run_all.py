@@ -19,6 +19,9 @@ the bf16 NCCL+PyTorch run; the merged table then starts with the FP8 comparison.
 FP8 grouped GEMM alone (epflow-fp8-gemm-bench, beside epflow-bench) and bench/fp8_yardsticks.py
 (cuBLAS dense and torch grouped GEMMs in bf16 and FP8, the FP8 weight stream), each into its
 own JSON next to --out (OUT-fp8-gemm.json, OUT-fp8-yardsticks.json), and prints their tables.
+With --backward as well, epflow-bench --dtype fp8 --backward times EPFlow's FP8 and bf16 backward
+and training step, and the table of the FP8 backward sets the FP8 step against NCCL+PyTorch's
+bf16 one from the same run.
 
 Where nvidia-smi is present, GPU 0's SM clock and power are sampled throughout and summarised per
 step (bench/clock_windows.py) at the end and into OUT-clocks.txt: on an H200 the FP8 GEMMs run at
@@ -127,15 +130,13 @@ def parse_args() -> argparse.Namespace:
                     help="also time EPFlow's backward (epflow-bench --backward, bf16 weight "
                     "gradients like the PyTorch layer's) next to the NCCL+PyTorch backward")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"],
-                    help="fp8: also EPFlow's and NCCL+PyTorch's FP8 forward (no --backward)")
+                    help="fp8: also EPFlow's and NCCL+PyTorch's FP8 forward; with --backward "
+                    "EPFlow's FP8 backward and training step too, beside its bf16 ones and "
+                    "NCCL+PyTorch's bf16 training step (its FP8 layer has no backward)")
     ap.add_argument("--yardstick", default="at-once",
                     choices=["at-once", "one-by-one", "interleaved"],
                     help="how epflow-bench measures its cuBLAS yardstick (its --yardstick)")
     args = ap.parse_args()
-    if args.dtype == "fp8" and args.backward:
-        ap.error("--dtype fp8 compares forwards (NCCL+PyTorch's FP8 layer has no backward); time "
-                 "EPFlow's FP8 backward against its bf16 one with epflow-bench --dtype fp8 "
-                 "--backward")
     if args.png is None:
         args.png = args.out.with_suffix(".png")
     if args.dump is None:
@@ -253,6 +254,9 @@ def run_all(args: argparse.Namespace, clocks: clock_windows.Sampler) -> int:
         print()
         report.render_fp8(report.layer_runs([merged]))
         print()
+        if args.backward:
+            report.render_fp8_backward(report.layer_runs([merged]))
+            print()
     report.render_comparison(report.layer_runs([merged]))
     # A plot draws one series per system and point: one plot per routing.
     for routing in args.routing:
