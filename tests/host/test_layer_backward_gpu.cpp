@@ -617,18 +617,24 @@ EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, CapturedInCudaGraph, captured_in_cuda
 
 // --- FP8 (LayerConfig::dtype = kFP8Blockwise) ---------------------------------------------
 
-// The FP8 backward (weight gradients in FP8, the default) against the quantization-matched
-// reference and the exact one: H 256, I 384
-// (the last dhp tile's second 128-column block lies past I), 8 experts per rank, top-4; uniform,
+// The small FP8 training layer of the tests below: H 256, I 384 (the last dhp tile's second
+// 128-column block lies past I), 8 experts per rank, top-4, a ring that wraps.
+LayerConfig fp8_small_config(int world) {
+  LayerConfig c = small_ring_config(world, 600);
+  c.hidden = 256;
+  c.intermediate = 384;
+  c.dtype = DType::kFP8Blockwise;
+  return c;
+}
+
+// The FP8 backward (weight gradients in FP8 whatever the row count) against the
+// quantization-matched reference and the exact one, on fp8_small_config; uniform,
 // imbalanced, one-expert and empty-slot routings, token counts off the tile, T = 0 on a rank;
 // power-of-two scales; bf16 gradients and accumulated fp32 ones; a forward ring that wraps with
 // one communication SM; weights in Megatron-Core's fused layout and gradients in its reversed
 // one; a repeated backward and a captured graph bitwise the same.
 void fp8_backward(int world) {
-  LayerConfig c = small_ring_config(world, 600);
-  c.hidden = 256;
-  c.intermediate = 384;
-  c.dtype = DType::kFP8Blockwise;
+  const LayerConfig c = fp8_small_config(world);
   run_and_check(c, testing::make_call(c, tokens_for(c, 300, 77), Routing::kUniform, 30));
   run_and_check(c, testing::make_call(c, tokens_for(c, 0, 513), Routing::kImbalanced, 31));
   run_and_check(c, testing::make_call(c, tokens_for(c, 600, 129), Routing::kSingleExpert, 32));
@@ -661,10 +667,7 @@ EPFLOW_EP1_AND_EP2_TESTS(LayerBackwardGpu, Fp8MatchesTheReferences, fp8_backward
 // the FP8 ones with): every gradient tightly against the matched reference, on the routings
 // above, accumulated fp32 and bf16 gradients, Megatron-Core's layouts, a graph.
 void fp8_bf16_weight_gradients(int world) {
-  LayerConfig c = small_ring_config(world, 600);
-  c.hidden = 256;
-  c.intermediate = 384;
-  c.dtype = DType::kFP8Blockwise;
+  const LayerConfig c = fp8_small_config(world);
   GradOptions fp8;
   fp8.wgrad = WgradPrecision::kBf16;
   run_and_check(c, testing::make_call(c, tokens_for(c, 300, 77), Routing::kUniform, 40), fp8);
