@@ -128,10 +128,17 @@ void forward_token_fp8(const LayerConfig& config, const Fp8Experts& experts, con
 // from the kept g | u and rounded to bf16. Weight gradients summed in double: d W_down +=
 // (w Q(dy))^T h, d W_gate += dg^T Q(x), d W_up += du^T Q(x). Each GEMM sums 128-deep blocks
 // exactly and adds them in order, as forward_fp8.
+// With fp8_weight_gradients (the FP8 layer's weight-gradient GEMMs in FP8, as it runs them from
+// enough rows per expert), each weight gradient's operands are quantized once more along the
+// tokens, in each expert's rows of the layer's pull table (sched::build_pull_table: segments
+// padded to whole 128-row blocks with zero rows): Q(dy) and Q(x) as bf16 (e4m3 value times scale,
+// rounded), w·h as bf16(w h), dg and du in bf16; then d W_down = Qt(Q(dy))ᵀ Qt(w·h), d W_gate =
+// Qt(dg)ᵀ Qt(Q(x)), d W_up = Qt(du)ᵀ Qt(Q(x)), the first operand of each by 128 x 1 blocks (a
+// scale per feature per 128 rows), the second by 128 x 128 blocks; sums in double.
 Status backward_fp8(const LayerConfig& config, const std::vector<RankInput>& inputs,
                     const std::vector<RankExperts>& experts,
                     const std::vector<std::vector<float>>& dy, bool power_of_two_scales,
-                    std::vector<RankGrads>* grads);
+                    std::vector<RankGrads>* grads, bool fp8_weight_gradients = false);
 // One token's dx row [H] and d topk_weights [K] of backward_fp8 (spot checks of shapes too large
 // to run whole): the same arithmetic, so bit for bit its values.
 void backward_token_fp8(const LayerConfig& config, const Fp8Experts& experts, const float* x_row,

@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "common/fp8_blocks.h"
+#include "common/routing_schedule_host.h"
 #include "common/status_util.h"
+#include "common/tile.h"
 #include "epflow/reference.h"
 #include "reference/reference_internal.h"
 
@@ -113,6 +115,13 @@ std::vector<float> dequantized(const std::vector<float>& values, const std::vect
   return d;
 }
 
+// A routed row's weight-gradient operands as the FP8 layer holds them for FP8 weight gradients:
+// Q(dy) and Q(x) read back as bf16 (launch_requantize_transposed's reading of the packed rows),
+// w·h = bf16(w h) and dg, du in bf16 (the dhp epilogue's).
+struct WgradRow {
+  std::vector<float> dy, x, wh, dg, du;
+};
+
 // Weight gradients of all experts by global id, summed in double.
 struct Fp8WeightGradSums {
   std::vector<double> gate, up, down;  // [num_experts, I, H], [num_experts, I, H], [.., H, I]
@@ -123,7 +132,7 @@ struct Fp8WeightGradSums {
 void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, const float* x_row,
                         const int32_t* topk_idx_row, const float* topk_weights_row,
                         const float* dy_row, float* dx_row, float* d_topk_weights_row,
-                        Fp8WeightGradSums* sums) {
+                        Fp8WeightGradSums* sums, WgradRow* rows = nullptr) {
   const int64_t H = config.hidden, I = config.intermediate;
   const bool pow2 = experts.power_of_two_scales;
   std::vector<float> xv, xs, dyv, dys, gk(I), uk(I), h(I), dgf(I), duf(I), dgv, dgs, duv, dus;
@@ -165,6 +174,19 @@ void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, co
     quantize_row(duf.data(), I, pow2, &duv, &dus);
     fp8_matvec_transposed(experts.gate[e], dgv, dgs, &dx);
     fp8_matvec_transposed(experts.up[e], duv, dus, &dx);
+    if (rows != nullptr) {  // FP8 weight gradients: the operands, summed later per pull table
+      WgradRow& row = rows[k];
+      row.dy.resize(H);
+      row.x.resize(H);
+      row.wh.resize(I);
+      for (int64_t j = 0; j < H; ++j) {
+        row.dy[j] = round_bf16(dy_q[j]);
+        row.x[j] = round_bf16(x_q[j]);
+      }
+      for (int64_t i = 0; i < I; ++i) row.wh[i] = round_bf16(static_cast<float>(w) * h[i]);
+      row.dg = dgf;
+      row.du = duf;
+    }
     if (sums == nullptr) continue;
     // The weight gradients: (w Q(dy))^T h, with dy as pulled (e4m3), and [dg | du]^T Q(x) (x
     // as the forward's gate/up GEMM read it, [dg | du] in bf16).
@@ -180,6 +202,81 @@ void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, co
       }
   }
   for (int64_t j = 0; j < H; ++j) dx_row[j] = static_cast<float>(dx[j]);
+}
+
+// m [n, cols] (n a multiple of 128) quantized along its rows and dequantized in place: by 128 x 1
+// blocks (a scale per column per 128 rows) or 128 x 128 blocks.
+void quantize_along_rows(std::vector<float>* m, int64_t n, int64_t cols, bool per_column,
+                         bool pow2) {
+  std::vector<uint8_t> q(m->size());
+  const int64_t width = per_column ? 1 : fp8::kBlock;
+  for (int64_t r0 = 0; r0 < n; r0 += fp8::kBlock)
+    for (int64_t c0 = 0; c0 < cols; c0 += width) {
+      float* block = m->data() + r0 * cols + c0;
+      float scale;
+      const int64_t w = std::min<int64_t>(width, cols - c0);
+      quantize_block(block, cols, fp8::kBlock, w, pow2, q.data() + r0 * cols + c0, &scale);
+      for (int64_t r = 0; r < fp8::kBlock; ++r)
+        for (int64_t c = 0; c < w; ++c)
+          block[r * cols + c] = fp8::to_float(q[(r0 + r) * cols + c0 + c]) * scale;
+    }
+}
+
+// out[a_col, b_col] += sum over rows of a[row, a_col] b[row, b_col] (a [n, A], b [n, B]), in
+// double, row after row.
+void add_rows_product(const std::vector<float>& a, int64_t a_cols, const std::vector<float>& b,
+                      int64_t b_cols, int64_t n, double* out) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < a_cols; ++i) {
+      const double av = a[r * a_cols + i];
+      if (av == 0.0) continue;
+      for (int64_t j = 0; j < b_cols; ++j) out[i * b_cols + j] += av * b[r * b_cols + j];
+    }
+}
+
+// The FP8 weight gradients from every routed row's operands (rows[src][slot]), expert by expert
+// in each destination rank's pull table.
+void fp8_weight_gradient_sums(const LayerConfig& config, const std::vector<RankInput>& inputs,
+                          const std::vector<std::vector<WgradRow>>& rows, bool pow2,
+                          Fp8WeightGradSums* sums) {
+  const int64_t H = config.hidden, I = config.intermediate;
+  const int32_t e_local = config.experts_per_rank();
+  std::vector<const int32_t*> topk_idx;
+  std::vector<int64_t> tokens;
+  for (const RankInput& in : inputs) {
+    topk_idx.push_back(in.topk_idx.data());
+    tokens.push_back(in.num_tokens);
+  }
+  static_assert(kTileRows % fp8::kBlock == 0, "segments pad to whole quantization blocks");
+  for (int32_t d = 0; d < config.ep_size; ++d) {
+    const sched::ScheduleShape shape{config.ep_size, d, e_local, config.top_k, kTileRows};
+    const sched::PullTable table = sched::build_pull_table(shape, topk_idx, tokens, 256);
+    for (int32_t e = 0; e < e_local; ++e) {
+      const int64_t first = table.seg_offset[e], n = table.seg_offset[e + 1] - first;
+      if (n == 0) continue;
+      std::vector<float> dy(n * H, 0.0f), x(n * H, 0.0f), wh(n * I, 0.0f), dg(n * I, 0.0f),
+          du(n * I, 0.0f);
+      for (int64_t r = 0; r < n; ++r) {
+        const sched::PullRow p = table.rows[first + r];
+        if (p.src_rank == sched::kPaddingRow) continue;
+        const WgradRow& w = rows[p.src_rank][p.src_slot];
+        std::copy(w.dy.begin(), w.dy.end(), dy.begin() + r * H);
+        std::copy(w.x.begin(), w.x.end(), x.begin() + r * H);
+        std::copy(w.wh.begin(), w.wh.end(), wh.begin() + r * I);
+        std::copy(w.dg.begin(), w.dg.end(), dg.begin() + r * I);
+        std::copy(w.du.begin(), w.du.end(), du.begin() + r * I);
+      }
+      quantize_along_rows(&dy, n, H, true, pow2);
+      quantize_along_rows(&wh, n, I, false, pow2);
+      quantize_along_rows(&dg, n, I, true, pow2);
+      quantize_along_rows(&du, n, I, true, pow2);
+      quantize_along_rows(&x, n, H, false, pow2);
+      const int64_t g = int64_t{d} * e_local + e;
+      add_rows_product(dy, H, wh, I, n, sums->down.data() + g * H * I);
+      add_rows_product(dg, I, x, H, n, sums->gate.data() + g * I * H);
+      add_rows_product(du, I, x, H, n, sums->up.data() + g * I * H);
+    }
+  }
 }
 
 }  // namespace
@@ -273,7 +370,7 @@ void backward_token_fp8(const LayerConfig& config, const Fp8Experts& experts, co
 Status backward_fp8(const LayerConfig& config, const std::vector<RankInput>& inputs,
                     const std::vector<RankExperts>& experts,
                     const std::vector<std::vector<float>>& dy, bool pow2,
-                    std::vector<RankGrads>* grads) {
+                    std::vector<RankGrads>* grads, bool fp8_weight_gradients) {
   if (Status s = detail::check_backward_inputs(config, inputs, experts, dy); !s.ok()) return s;
   if (grads == nullptr) return invalid_argument("grads is null");
   const int64_t H = config.hidden, I = config.intermediate, K = config.top_k;
@@ -283,16 +380,22 @@ Status backward_fp8(const LayerConfig& config, const std::vector<RankInput>& inp
   sums.up.assign(config.num_experts * I * H, 0.0);
   sums.down.assign(config.num_experts * H * I, 0.0);
   grads->assign(config.ep_size, {});
+  // FP8 weight gradients: every routed row's operands by (rank, slot), summed per pull table.
+  std::vector<std::vector<WgradRow>> rows(fp8_weight_gradients ? config.ep_size : 0);
   for (int32_t r = 0; r < config.ep_size; ++r) {
     const RankInput& in = inputs[r];
     RankGrads& out = (*grads)[r];
     out.dx.assign(in.num_tokens * H, 0.0f);
     out.d_topk_weights.assign(in.num_tokens * K, 0.0f);
+    if (fp8_weight_gradients) rows[r].resize(in.num_tokens * K);
     for (int64_t t = 0; t < in.num_tokens; ++t)
       token_backward_fp8(config, q, in.x.data() + t * H, in.topk_idx.data() + t * K,
                          in.topk_weights.data() + t * K, dy[r].data() + t * H,
-                         out.dx.data() + t * H, out.d_topk_weights.data() + t * K, &sums);
+                         out.dx.data() + t * H, out.d_topk_weights.data() + t * K,
+                         fp8_weight_gradients ? nullptr : &sums,
+                         fp8_weight_gradients ? rows[r].data() + t * K : nullptr);
   }
+  if (fp8_weight_gradients) fp8_weight_gradient_sums(config, inputs, rows, pow2, &sums);
   const int64_t rank_size = config.experts_per_rank() * I * H;
   for (int32_t r = 0; r < config.ep_size; ++r) {
     RankGrads& out = (*grads)[r];
