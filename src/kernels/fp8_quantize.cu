@@ -249,17 +249,24 @@ __global__ void __launch_bounds__(kRowThreads)
 // Where a transposed quantization reads its rows, loaded a 128 x 128 tile at a time into
 // tile[128][kTileLd] bf16 by a CTA of kBlockThreads: bf16 rows with a row stride, or packed
 // 1 x 128 rows, dequantized as dequantize_rows_kernel does (so the result is bitwise that of
-// dequantizing first), reading half the bytes and writing none.
+// dequantizing first), reading half the bytes and writing none. Every thread issues all its
+// 16-byte loads before it stores any into the tile (bytes in flight: the kernel is HBM-bound).
 constexpr int kTileLd = fp8::kBlock + 8;  // bf16; +8: rows 16 bytes apart in the banks
 struct Bf16Rows {
   const __nv_bfloat16* x;
   int64_t ld;
   __device__ void load(__nv_bfloat16 (*tile)[kTileLd], int64_t r0, int64_t c0) const {
-    constexpr int kB = fp8::kBlock;
-    for (int i = threadIdx.x; i < kB * kB / 8; i += kBlockThreads) {
-      const int r = i / (kB / 8), ch = i % (kB / 8);
-      *reinterpret_cast<uint4*>(&tile[r][ch * 8]) =
-          *reinterpret_cast<const uint4*>(x + (r0 + r) * ld + c0 + ch * 8);
+    constexpr int kB = fp8::kBlock, kLoads = kB * kB / 8 / kBlockThreads;
+    uint4 raw[kLoads];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int i = l * kBlockThreads + threadIdx.x, r = i / (kB / 8), ch = i % (kB / 8);
+      raw[l] = *reinterpret_cast<const uint4*>(x + (r0 + r) * ld + c0 + ch * 8);
+    }
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int i = l * kBlockThreads + threadIdx.x, r = i / (kB / 8), ch = i % (kB / 8);
+      *reinterpret_cast<uint4*>(&tile[r][ch * 8]) = raw[l];
     }
   }
 };
@@ -267,40 +274,51 @@ struct PackedRows {
   const uint8_t* packed;
   int64_t cols;
   __device__ void load(__nv_bfloat16 (*tile)[kTileLd], int64_t r0, int64_t c0) const {
-    constexpr int kB = fp8::kBlock;
+    constexpr int kB = fp8::kBlock, kLoads = kB * kB / 16 / kBlockThreads;
     const int64_t row_bytes = fp8::packed_row_bytes(cols);
-    for (int i = threadIdx.x; i < kB * kB / 16; i += kBlockThreads) {
-      const int r = i / (kB / 16), ch = i % (kB / 16);
+    uint4 raw[kLoads];
+    float scale[kLoads];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int i = l * kBlockThreads + threadIdx.x, r = i / (kB / 16), ch = i % (kB / 16);
       const uint8_t* src = packed + (r0 + r) * row_bytes;
-      dequantize_16(*reinterpret_cast<const uint4*>(src + c0 + ch * 16),
-                    reinterpret_cast<const float*>(src + cols)[c0 / kB],
-                    reinterpret_cast<uint4*>(&tile[r][ch * 16]));
+      raw[l] = *reinterpret_cast<const uint4*>(src + c0 + ch * 16);
+      scale[l] = reinterpret_cast<const float*>(src + cols)[c0 / kB];
+    }
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int i = l * kBlockThreads + threadIdx.x, r = i / (kB / 16), ch = i % (kB / 16);
+      dequantize_16(raw[l], scale[l], reinterpret_cast<uint4*>(&tile[r][ch * 16]));
     }
   }
 };
 
 // One CTA per 128 x 128 tile of x (rows r0.., columns c0..): the tile through shared memory;
 // thread t takes column c0 + t % 128, rows t / 128 * 64 .. + 63: the amax of its 64 values, then
-// the column's (k128x1) or the tile's (k128x128) through shared memory, then 64 e4m3 bytes as four
-// 16-byte stores into the transposed row c of q.
+// the column's (k128x1) or the tile's (k128x128) through shared memory, then its 64 e4m3 bytes.
+// NOTES: the bytes go out through shared memory, transposed row c of q as whole 128-byte lines
+// (a warp stores four): each thread storing its own 64 bytes to its own row wrote half-sectors,
+// and holding its 64 values in registers (rather than reading the tile twice) left two CTAs per
+// SM; both kept the kernel latency-bound far below the HBM rate.
 template <TransposedScaling kScaling, typename Source>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, 4)  // four tiles (52 KB of shared memory) per SM
     quantize_transposed_kernel(Source source, int64_t max_rows, const int64_t* rows_on_device,
                                bool pow2, uint8_t* q, float* block_scales) {
-  constexpr int kB = fp8::kBlock;
+  constexpr int kB = fp8::kBlock, kChunks = kB / 16;  // 16-byte chunks of a 128-byte row
   const int64_t r0 = int64_t{blockIdx.y} * kB, c0 = int64_t{blockIdx.x} * kB;
   if (r0 >= *rows_on_device) return;
-  __shared__ __nv_bfloat16 tile[kB][kTileLd];
+  __shared__ alignas(16) __nv_bfloat16 tile[kB][kTileLd];
+  // The e4m3 tile transposed: row c's chunk k at out[c][k ^ c % 8] (the swizzle spreads a
+  // quarter-warp's rows over the banks).
+  __shared__ uint4 out[kB][kChunks];
   __shared__ float amax_of[2][kB];
   source.load(tile, r0, c0);
   __syncthreads();
   const int col = threadIdx.x % kB, half = threadIdx.x / kB;
-  float v[kB / 2], m = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kB / 2; ++i) {
-    v[i] = __bfloat162float(tile[half * kB / 2 + i][col]);
-    m = fp8::amax_nan(m, fabsf(v[i]));
-  }
+  float m = 0.0f;
+#pragma unroll 16
+  for (int i = 0; i < kB / 2; ++i)
+    m = fp8::amax_nan(m, fabsf(__bfloat162float(tile[half * kB / 2 + i][col])));
   amax_of[half][col] = m;
   __syncthreads();
   if constexpr (kScaling == TransposedScaling::k128x1) {
@@ -316,21 +334,32 @@ __global__ void __launch_bounds__(kBlockThreads)
     m = amax_of[0][0];
   }
   const float scale = fp8::block_scale(m, pow2);
+#pragma unroll
+  for (int chunk = 0; chunk < kChunks / 2; ++chunk) {
+    uint32_t word[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        v[j] = __bfloat162float(tile[half * kB / 2 + chunk * 16 + k * 4 + j][col]);
+      word[k] = fp8::quantize_quad(v, scale);
+    }
+    out[col][(half * kChunks / 2 + chunk) ^ (col % 8)] = make_uint4(word[0], word[1], word[2], word[3]);
+  }
   const int64_t row_bytes =
       kScaling == TransposedScaling::k128x1 ? fp8::packed_row_bytes(max_rows) : max_rows;
-  uint8_t* dst = q + (c0 + col) * row_bytes + r0 + half * kB / 2;
-#pragma unroll
-  for (int chunk = 0; chunk < kB / 2 / 16; ++chunk) {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = fp8::quantize_quad(v + chunk * 16 + k * 4, scale);
-    reinterpret_cast<uint4*>(dst)[chunk] = make_uint4(w[0], w[1], w[2], w[3]);
-  }
   if constexpr (kScaling == TransposedScaling::k128x1) {
     if (half == 0)
       reinterpret_cast<float*>(q + (c0 + col) * row_bytes + max_rows)[r0 / kB] = scale;
   } else {
     if (threadIdx.x == 0) block_scales[(c0 / kB) * (max_rows / kB) + r0 / kB] = scale;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int l = 0; l < kB * kChunks / kBlockThreads; ++l) {
+    const int i = l * kBlockThreads + threadIdx.x, c = i / kChunks, k = i % kChunks;
+    reinterpret_cast<uint4*>(q + (c0 + c) * row_bytes + r0)[k] = out[c][k ^ (c % 8)];
   }
 }
 
