@@ -94,15 +94,19 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// The block's e4m3 bytes, staged for the transposed copy: rows padded so that the column reads
-// of the transposed writes spread over the banks.
-constexpr int kTileStride = fp8::kBlock + 4;
+// The block's e4m3 bytes, staged for the transposed copy already transposed: column c's 128
+// bytes (the transposed block's row c, in row order) at c * 128, its 16-byte chunks swizzled by
+// c / 8 (the vector path's warps write eight columns apart; the chunk reads stay whole rows).
+__device__ __forceinline__ int transposed_offset(int r, int c) {
+  return c * fp8::kBlock + ((r / 16) ^ (c / 8 % 8)) * 16 + r % 16;
+}
 
-// Block (rb, cb)'s bytes from `tile` into its transposed place in t (matrix `matrix`): thread t
-// writes 16-byte chunks of the transposed block's rows (8 per row, a warp four whole rows), or
-// bytes where the block is partial or the rows are not 16-byte aligned.
-__device__ void store_transposed(const uint8_t (*tile)[kTileStride], const TransposedCopy& t,
-                                 int64_t matrix, int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
+// Block (rb, cb)'s bytes from `tile` (transposed_offset's layout) into its transposed place in
+// t (matrix `matrix`): thread t writes 16-byte chunks of the transposed block's rows (8 per row,
+// a warp four whole rows), or bytes where the block is partial or the rows are not 16-byte
+// aligned.
+__device__ void store_transposed(const uint8_t* tile, const TransposedCopy& t, int64_t matrix,
+                                 int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
   uint8_t* base = t.q + matrix * t.matrix_stride;
   const bool chunks = nr == fp8::kBlock && t.ld % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(base) % 16 == 0;
@@ -111,16 +115,11 @@ __device__ void store_transposed(const uint8_t (*tile)[kTileStride], const Trans
     if (oc >= nc) continue;
     uint8_t* dst = base + (c0 + oc) * t.ld + r0 + ch * 16;
     if (chunks) {
-      uint32_t word[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        word[i] = uint32_t{tile[ch * 16 + 4 * i][oc]} |
-                  uint32_t{tile[ch * 16 + 4 * i + 1][oc]} << 8 |
-                  uint32_t{tile[ch * 16 + 4 * i + 2][oc]} << 16 |
-                  uint32_t{tile[ch * 16 + 4 * i + 3][oc]} << 24;
-      *reinterpret_cast<uint4*>(dst) = make_uint4(word[0], word[1], word[2], word[3]);
+      *reinterpret_cast<uint4*>(dst) =
+          *reinterpret_cast<const uint4*>(tile + transposed_offset(ch * 16, oc));
     } else {
-      for (int r = ch * 16; r < ch * 16 + 16 && r < nr; ++r) dst[r - ch * 16] = tile[r][oc];
+      for (int r = ch * 16; r < ch * 16 + 16 && r < nr; ++r)
+        dst[r - ch * 16] = tile[transposed_offset(r, oc)];
     }
   }
 }
@@ -138,11 +137,15 @@ __global__ void __launch_bounds__(kBlockThreads, 5)
   const int64_t nc = cols - c0 < fp8::kBlock ? cols - c0 : fp8::kBlock;
   const __nv_bfloat16* src = w + matrix * w_stride;
   uint8_t* dst = q + matrix * rows * cols;
-  __shared__ uint8_t tile[fp8::kBlock][kTileStride];  // for qt only
+  __shared__ alignas(16) uint8_t tile[fp8::kBlock * fp8::kBlock];  // for qt only
   // Whole 128-column blocks of aligned rows: thread t holds 8 columns c0 + 8 (t % 16) .. + 7 of
-  // rows t / 16, + 16, ... in registers (16-byte loads, one pass over memory). Otherwise thread
-  // t reads column c0 + t % 128 of rows t / 128, + 2, ... twice (amax, then the values).
+  // rows 4 (t / 16) .. + 3 and 64 + 4 (t / 16) .. + 3 in registers (16-byte loads, one pass over
+  // memory; four consecutive rows, so that the transposed copy's bytes of a column leave as
+  // 4-byte words, transposed in registers). Otherwise thread t reads column c0 + t % 128 of rows
+  // t / 128, + 2, ... twice (amax, then the values).
   constexpr int kVecRowStep = kBlockThreads / 16, kVecPasses = fp8::kBlock / kVecRowStep;
+  static_assert(kVecPasses == 8, "two groups of four consecutive rows per thread");
+  auto vec_row = [](int vfirst, int p) { return p / 4 * (fp8::kBlock / 2) + 4 * vfirst + p % 4; };
   const bool vector = nc == fp8::kBlock && cols % 8 == 0 &&
                       reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(dst) % 8 == 0;
@@ -157,7 +160,7 @@ __global__ void __launch_bounds__(kBlockThreads, 5)
     __nv_bfloat162 m2 = __float2bfloat162_rn(0.0f);
 #pragma unroll
     for (int p = 0; p < kVecPasses; ++p) {
-      const int64_t r = vfirst + kVecRowStep * p;
+      const int64_t r = vec_row(vfirst, p);
       raw[p] = make_uint4(0, 0, 0, 0);
       if (r < nr) raw[p] = *reinterpret_cast<const uint4*>(src + (r0 + r) * cols + c0 + vcol);
     }
@@ -180,26 +183,41 @@ __global__ void __launch_bounds__(kBlockThreads, 5)
   for (int i = 1; i < kBlockThreads / 32; ++i) m = fp8::amax_nan(m, warp_max[i]);
   const float scale = fp8::block_scale(m, pow2);
   if (vector) {
+    uint2 bytes[kVecPasses];  // rows past nr: zeros (their raw values), never stored
 #pragma unroll
     for (int p = 0; p < kVecPasses; ++p) {
-      const int64_t r = vfirst + kVecRowStep * p;
-      if (r >= nr) continue;
+      const int64_t r = vec_row(vfirst, p);
       const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&raw[p]);
       float v[8];
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[2 * i] = __low2float(pair[i]), v[2 * i + 1] = __high2float(pair[i]);
-      const uint2 bytes = make_uint2(fp8::quantize_quad(v, scale), fp8::quantize_quad(v + 4, scale));
-      *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) = bytes;
-      if (qt.q)
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          tile[r][vcol + i] = static_cast<uint8_t>((i < 4 ? bytes.x : bytes.y) >> (8 * (i % 4)));
+      bytes[p] = make_uint2(fp8::quantize_quad(v, scale), fp8::quantize_quad(v + 4, scale));
+      if (r < nr) *reinterpret_cast<uint2*>(dst + (r0 + r) * cols + c0 + vcol) = bytes[p];
     }
+    if (qt.q)
+#pragma unroll
+      for (int g = 0; g < kVecPasses / 4; ++g)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // columns vcol + 4h .. + 3 of rows vec_row(vfirst, 4g) .. + 3
+          const uint32_t a = h ? bytes[4 * g].y : bytes[4 * g].x;
+          const uint32_t b = h ? bytes[4 * g + 1].y : bytes[4 * g + 1].x;
+          const uint32_t c = h ? bytes[4 * g + 2].y : bytes[4 * g + 2].x;
+          const uint32_t d = h ? bytes[4 * g + 3].y : bytes[4 * g + 3].x;
+          // A 4 x 4 byte transpose: word i = column i's bytes of rows a, b, c, d (a lowest).
+          const uint32_t ab01 = __byte_perm(a, b, 0x5140), ab23 = __byte_perm(a, b, 0x7362);
+          const uint32_t cd01 = __byte_perm(c, d, 0x5140), cd23 = __byte_perm(c, d, 0x7362);
+          const uint32_t words[4] = {__byte_perm(ab01, cd01, 0x5410), __byte_perm(ab01, cd01, 0x7632),
+                                     __byte_perm(ab23, cd23, 0x5410), __byte_perm(ab23, cd23, 0x7632)};
+          const int r = vec_row(vfirst, 4 * g);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<uint32_t*>(tile + transposed_offset(r, vcol + 4 * h + i)) = words[i];
+        }
   } else if (col < nc) {
     for (int64_t r = first; r < nr; r += kBlockThreads / fp8::kBlock) {
       const int64_t at = (r0 + r) * cols + c0 + col;
       dst[at] = fp8::quantize(__bfloat162float(src[at]), scale);
-      if (qt.q) tile[r][col] = dst[at];
+      if (qt.q) tile[transposed_offset(static_cast<int>(r), col)] = dst[at];
     }
   }
   if (threadIdx.x == 0) {
