@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kBlockThreads, 5)
 #pragma unroll
       for (int g = 0; g < kVecPasses / 4; ++g)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // columns vcol + 4h .. + 3 of rows vec_row(vfirst, 4g) .. + 3
+        for (int h = 0; h < 2; ++h) {  // columns vcol + 4h .. + 3, rows vec_row(vfirst, 4g) ..
           const uint32_t a = h ? bytes[4 * g].y : bytes[4 * g].x;
           const uint32_t b = h ? bytes[4 * g + 1].y : bytes[4 * g + 1].x;
           const uint32_t c = h ? bytes[4 * g + 2].y : bytes[4 * g + 2].x;
@@ -206,8 +206,9 @@ __global__ void __launch_bounds__(kBlockThreads, 5)
           // A 4 x 4 byte transpose: word i = column i's bytes of rows a, b, c, d (a lowest).
           const uint32_t ab01 = __byte_perm(a, b, 0x5140), ab23 = __byte_perm(a, b, 0x7362);
           const uint32_t cd01 = __byte_perm(c, d, 0x5140), cd23 = __byte_perm(c, d, 0x7362);
-          const uint32_t words[4] = {__byte_perm(ab01, cd01, 0x5410), __byte_perm(ab01, cd01, 0x7632),
-                                     __byte_perm(ab23, cd23, 0x5410), __byte_perm(ab23, cd23, 0x7632)};
+          const uint32_t words[4] = {
+              __byte_perm(ab01, cd01, 0x5410), __byte_perm(ab01, cd01, 0x7632),
+              __byte_perm(ab23, cd23, 0x5410), __byte_perm(ab23, cd23, 0x7632)};
           const int r = vec_row(vfirst, 4 * g);
 #pragma unroll
           for (int i = 0; i < 4; ++i)
@@ -268,7 +269,7 @@ __global__ void __launch_bounds__(kRowThreads)
 // tile[128][kTileLd] bf16 by a CTA of kBlockThreads: bf16 rows with a row stride, or packed
 // 1 x 128 rows, dequantized as dequantize_rows_kernel does (so the result is bitwise that of
 // dequantizing first), reading half the bytes and writing none. Every thread issues all its
-// 16-byte loads before it stores any into the tile (bytes in flight: the kernel is HBM-bound).
+// 16-byte loads before it stores any into the tile: the loads in flight set the pass's rate.
 constexpr int kTileLd = fp8::kBlock + 8;  // bf16; +8: rows 16 bytes apart in the banks
 struct Bf16Rows {
   const __nv_bfloat16* x;
@@ -363,7 +364,8 @@ __global__ void __launch_bounds__(kBlockThreads, 4)  // four tiles (52 KB of sha
         v[j] = __bfloat162float(tile[half * kB / 2 + chunk * 16 + k * 4 + j][col]);
       word[k] = fp8::quantize_quad(v, scale);
     }
-    out[col][(half * kChunks / 2 + chunk) ^ (col % 8)] = make_uint4(word[0], word[1], word[2], word[3]);
+    out[col][(half * kChunks / 2 + chunk) ^ (col % 8)] =
+        make_uint4(word[0], word[1], word[2], word[3]);
   }
   const int64_t row_bytes =
       kScaling == TransposedScaling::k128x1 ? fp8::packed_row_bytes(max_rows) : max_rows;
