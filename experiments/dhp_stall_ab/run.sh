@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Builds the tree as it is and with weights_evict_last.patch (each in /tmp/l2ab_NAME), then
+# Builds the tree as it is and once per patch here (each in /tmp/dhpab_NAME), then
 # (1) times the FP8 and bf16 forward and backward at DeepSeek-V3, 2048 and 8192 tokens, two rounds
 # in alternating order, and (2) reads the FP8 megakernels' L2 hit rates and DRAM bytes under ncu
-# at 2048 tokens (clocks left alone). Run from the repository root on a GPU machine; about 6 min.
+# at 2048 tokens (clocks left alone). Run from the repository root on a GPU machine; about 8 min.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
-here=experiments/weights_l2_hint_ab
-vars="base weights_evict_last"
+here=experiments/dhp_stall_ab
+vars="base weights_evict_last dhp_no_swiglu_bwd"
 for v in $vars; do
-  d=/tmp/l2ab_$v; rm -rf $d; mkdir -p $d
+  d=/tmp/dhpab_$v; rm -rf $d; mkdir -p $d
   cp -r CMakeLists.txt cmake src include bench tests examples python scripts $d/
   [ -d .deps ] && ln -sfn $PWD/.deps $d/.deps
   [ $v = base ] || (cd $d && patch -s -p1 < $OLDPWD/$here/$v.patch) || { echo "patch $v failed"; exit 1; }
@@ -22,7 +22,7 @@ for round in 1 2; do
   order="$vars"; [ $round = 2 ] && order=$(echo $vars | tr ' ' '\n' | tac | tr '\n' ' ')
   for v in $order; do
     echo "== $v, round $round"
-    /tmp/l2ab_$v/build/epflow-bench --dtype fp8 --backward --tokens 2048,8192 --warmup 5 \
+    /tmp/dhpab_$v/build/epflow-bench --dtype fp8 --backward --tokens 2048,8192 --warmup 5 \
       --iters 10 --settle-ms 500 --baselines none | grep -E "tokens/rank|megakernel \(fused|backward  |its stages"
   done
 done
@@ -32,7 +32,7 @@ for v in $vars; do
   timeout 150 $NCU --clock-control none --kernel-name-base demangled -k regex:moe_megakernel \
     --launch-count 6 --section SpeedOfLight \
     --metrics lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
-    /tmp/l2ab_$v/build/epflow-bench --dtype fp8 --backward --tokens 2048 --repeats 1 --warmup 1 \
+    /tmp/dhpab_$v/build/epflow-bench --dtype fp8 --backward --tokens 2048 --repeats 1 --warmup 1 \
     --iters 1 --baselines none 2>&1 | grep -E "moe_megakernel|Duration|hit_rate|dram__bytes|lts__t_bytes" \
     | sed 's/(const __grid_constant__.*//'
 done
