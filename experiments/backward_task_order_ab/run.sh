@@ -7,16 +7,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 here=experiments/backward_task_order_ab
 vars="base no_x_pull dhp_n_fastest no_lag"
-for v in $vars; do
-  d=/tmp/var_$v; rm -rf $d; mkdir -p $d
-  cp -r CMakeLists.txt cmake src include bench tests examples python scripts $d/
-  [ -d .deps ] && ln -sfn $PWD/.deps $d/.deps
-  [ $v = base ] || (cd $d && patch -s -p1 < $OLDPWD/$here/$v.patch) || { echo "patch $v failed"; exit 1; }
-  ( cmake -S $d -B $d/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPFLOW_BUILD_TESTS=OFF \
-      -DEPFLOW_NCCL_ROOT=$NCCL_ROOT > $d/cfg.log 2>&1 &&
-    cmake --build $d/build -j 4 --target epflow-bench > $d/build.log 2>&1 || echo "build $v failed" ) &
-done
-wait
+source experiments/build_variants.sh
+build_variants $here /tmp/var $vars || exit 1
 for round in 1 2; do
   order="$vars"; [ $round = 2 ] && order=$(echo $vars | tr ' ' '\n' | tac | tr '\n' ' ')
   for v in $order; do
