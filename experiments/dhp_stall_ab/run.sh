@@ -2,12 +2,13 @@
 # Builds the tree as it is and once per patch here (each in /tmp/dhpab_NAME), then
 # (1) times the FP8 and bf16 forward and backward at DeepSeek-V3, 2048 and 8192 tokens, two rounds
 # in alternating order, and (2) reads the FP8 megakernels' L2 hit rates and DRAM bytes under ncu
-# at 2048 tokens (clocks left alone). Run from the repository root on a GPU machine; about 8 min.
+# at 2048 tokens (clocks left alone), without and with the L2 policy. Run from the repository root
+# on a GPU machine; about 9 min.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 here=experiments/dhp_stall_ab
-vars="base weights_evict_last dhp_no_swiglu_bwd"
+vars="base weights_evict_last dhp_no_swiglu_bwd dhp_gu_batched_loads"
 source experiments/build_variants.sh
 build_variants $here /tmp/dhpab $vars || exit 1
 for round in 1 2; do
@@ -19,7 +20,7 @@ for round in 1 2; do
   done
 done
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-for v in $vars; do
+for v in base weights_evict_last; do
   echo "== ncu, $v"
   timeout 150 $NCU --clock-control none --kernel-name-base demangled -k regex:moe_megakernel \
     --launch-count 6 --section SpeedOfLight \
