@@ -237,8 +237,8 @@ void add_rows_product(const std::vector<float>& a, int64_t a_cols, const std::ve
 // The FP8 weight gradients from every routed row's operands (rows[src][slot]), expert by expert
 // in each destination rank's pull table.
 void fp8_weight_gradient_sums(const LayerConfig& config, const std::vector<RankInput>& inputs,
-                          const std::vector<std::vector<WgradRow>>& rows, bool pow2,
-                          Fp8WeightGradSums* sums) {
+                              const std::vector<std::vector<WgradRow>>& rows, bool pow2,
+                              Fp8WeightGradSums* sums) {
   const int64_t H = config.hidden, I = config.intermediate;
   const int32_t e_local = config.experts_per_rank();
   std::vector<const int32_t*> topk_idx;
