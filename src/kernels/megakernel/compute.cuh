@@ -175,10 +175,10 @@ __device__ __forceinline__ void compute_role(const Maps& m, const MegakernelArgs
   } else {
     ptx::warpgroup_reg_alloc<232>();
     const int tid = threadIdx.x % 128;
-    StagingHandshake staging{&smem};  // both sinks', and the store warps' stop
+    StagingHandshake staging{&smem};  // the sinks', and the store warps' stop
     RingSink ring{&staging, &a};
     PushCombineSink push{&staging};
-    DhSink<kOp == gemm::Operands::kFP8> dh{&a};
+    DhSink<kOp == gemm::Operands::kFP8> dh{&a, &staging};
     gemm::Fp8Scales gate_up_scales = fp8_scales(smem, a.intermediate);
     gate_up_scales.power_of_two = a.fp8_pow2_scales;
     const gemm::Fp8Scales down_scales = fp8_scales(smem, a.hidden);

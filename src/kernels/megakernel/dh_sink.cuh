@@ -12,7 +12,9 @@
 #include "common/routing_schedule.h"
 #include "common/tile.h"
 #include "kernels/grouped_gemm.cuh"
+#include "kernels/megakernel/smem.cuh"
 #include "kernels/moe_megakernel.cuh"
+#include "kernels/ptx/cp_async.cuh"
 #include "kernels/ptx/timed_wait.cuh"
 #include "kernels/ptx/tma.cuh"
 
@@ -29,6 +31,12 @@ namespace epflow::kernels::megakernel {
 // d w is deterministic). Padding rows get zeros: the weight-gradient GEMMs sum over whole tiles.
 // The counter says the tile's [dg | du] rows are written, so each warpgroup signals after all
 // its threads stored (and fenced them for the dx GEMM's TMA loads).
+// g | u reach the epilogue through the warpgroup's staging buffer (the down tiles' push staging,
+// taken for the tile): four passes of 64 columns, two slots, cp.async by all 128 threads; the
+// first two passes' loads are issued before the mainloop, each later one as soon as its slot's
+// previous pass is read. NOTES: read from global memory in the epilogue, every thread's g and u
+// loads were waited for one or two n8 blocks at a time (the accumulators leave no registers to
+// hold more in flight), and those waits made the epilogue longer than the tile's MMAs.
 // kFp8 (the FP8 backward): [dg | du] goes to dgu_out in bf16 (the weight gradients' operand) and,
 // quantized 1 x 128 from those bf16 values, into the ring's packed rows the dx GEMM reads: a
 // row's 128-column block is held by a quad over 16 n8 blocks, so each thread keeps its bf16 pairs
@@ -37,28 +45,64 @@ namespace epflow::kernels::megakernel {
 template <bool kFp8>
 struct DhSink {
   static constexpr bool kDirect = true;
+  static constexpr int kWritePasses = 4;
+  static constexpr int kPassCols = kTileCols / kWritePasses;
+  // A staged row: two slots of [g | u] (kPassCols each, bf16), then 16 bytes of padding, so the
+  // 8 rows a warp reads at once start in 8 different bank groups.
+  static constexpr int kSlotBytes = 2 * kPassCols * 2;
+  static constexpr int kStagedRowBytes = 2 * kSlotBytes + 16;
+  static_assert(kStagedRowBytes % 128 == 16 && 64 * kStagedRowBytes <= kStaging,
+                "g | u's two slots of a warpgroup's 64 rows fit its staging");
   static constexpr int kBlockJ = fp8::kBlock / 8;  // n8 blocks per 1 x 128 block
   const MegakernelArgs* a;
+  StagingHandshake* staging;
   uint32_t* counter = nullptr;
   gemm::TileCoord c;  // the current tile (skip() needs it too)
-  // The thread's rows' g at this n tile (u: + I); null: padding.
-  const __nv_bfloat16* gu[2] = {nullptr, nullptr};
+  uint8_t* gu_smem;   // the warpgroup's staging, holding g | u
+  bool live[2];       // the thread's rows are routed rows (not padding)
   __nv_bfloat16* wh[2];   // the thread's rows of w·h at this n tile
   __nv_bfloat16* dgu[2];  // ... and of [dg | du]
   uint8_t* packed[2];     // kFp8: the thread's rows of packed [dg | du] at this n tile
   int64_t row[2];         // the thread's two ring rows
   float w[2], dot[2];
-  int32_t cols = 0, q = 0, wg = 0, tid = 0;
+  int32_t cols = 0, q = 0, wg = 0, tid = 0, pass = 0;
   uint32_t wh_pairs[2][4], dg_pairs[2][4], du_pairs[2][4];
   uint32_t dg_block[2][kFp8 ? kBlockJ : 1], du_block[2][kFp8 ? kBlockJ : 1];  // kFp8
+
+  // Ring row `r`'s g at this n tile (u: + I): kept by the forward or recomputed past it.
+  __device__ __forceinline__ const __nv_bfloat16* gate_up_row(int64_t r, int64_t col0) const {
+    return (r < a->gate_up_rows ? a->gate_up_in + r * 2 * a->intermediate
+                                : a->gate_up_overflow + (r - a->gate_up_rows) * 2 * a->intermediate) +
+           col0;
+  }
+  // Pass p's g | u (columns p * kPassCols of the tile) of the warpgroup's routed rows into slot
+  // p % 2: each thread copies one 16-byte chunk of every eighth row; one cp.async group.
+  __device__ __forceinline__ void load_pass(int p) {
+    const int chunk = tid % 16, part = chunk / 8, col = p * kPassCols + chunk % 8 * 8;
+    const int64_t col0 = int64_t{c.n_tile} * kTileCols;
+    if (col < cols)
+#pragma unroll
+      for (int r = tid / 16; r < 64; r += 8)
+        if (wg * 64 + r < c.rows)
+          ptx::cp_async_16(ptx::smem_addr(gu_smem + r * kStagedRowBytes + p % 2 * kSlotBytes +
+                                          part * kPassCols * 2 + chunk % 8 * 16),
+                           gate_up_row(int64_t{c.a_row} + wg * 64 + r, col0) +
+                               part * a->intermediate + col);
+    ptx::cp_async_commit();
+  }
 
   __device__ __forceinline__ void prepare(const gemm::TileCoord& tile, int warpgroup, int thread) {
     c = tile;
     wg = warpgroup;
     tid = thread;
+    pass = 0;
     const int64_t I = a->intermediate, col0 = int64_t{tile.n_tile} * kTileCols;
     q = tid % 4;
     cols = static_cast<int32_t>(I - col0);
+    gu_smem = staging->s->gemm.out[wg];
+    staging->acquire(wg);  // the previous down tile's rows have left it
+    load_pass(0);
+    load_pass(1);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       row[half] = int64_t{tile.a_row} + wg * 64 + tid / 32 * 16 + tid % 32 / 4 + 8 * half;
@@ -68,33 +112,49 @@ struct DhSink {
                      row[half] * fp8::packed_row_bytes(2 * I) + col0;
       dot[half] = 0.0f;
       w[half] = 0.0f;
-      gu[half] = nullptr;
-      if (row[half] - tile.a_row < tile.rows) {
-        gu[half] = (row[half] < a->gate_up_rows
-                        ? a->gate_up_in + row[half] * 2 * I
-                        : a->gate_up_overflow + (row[half] - a->gate_up_rows) * 2 * I) +
-                   col0;
+      live[half] = row[half] - tile.a_row < tile.rows;
+      if (live[half]) {
         const sched::PullRow r = a->table[row[half]];
         w[half] = *reinterpret_cast<const float*>(a->peers.base[r.src_rank] + a->weights_offset +
                                                   int64_t{r.src_slot} * sizeof(float));
-        // This lane's quarter of the row's g and u columns, into L2 while the MMAs run.
-        const int64_t line = int64_t{q} * 64;  // 128 bytes of bf16
-        if (line < cols) {
-          ptx::prefetch_l2(gu[half] + line);
-          ptx::prefetch_l2(gu[half] + I + line);
+        // The last two passes' g and u into L2 while the MMAs run (lane q: pass q's 128 bytes).
+        const int64_t line = int64_t{q} * kPassCols;
+        if (q >= 2 && line < cols) {
+          const __nv_bfloat16* gu = gate_up_row(row[half], col0);
+          ptx::prefetch_l2(gu + line);
+          ptx::prefetch_l2(gu + I + line);
         }
       }
     }
   }
-  __device__ __forceinline__ void begin(int, int) {}
-  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant).
+  // Pass `pass`'s slot has landed (every thread's copies: hence the barrier).
+  __device__ __forceinline__ void begin(int, int) {
+    if (pass < kWritePasses - 1)
+      ptx::cp_async_wait<1>();
+    else
+      ptx::cp_async_wait<0>();
+    ptx::named_barrier_sync(1 + wg, 128);
+  }
+  // The slot just read takes pass + 2's columns once every thread has read it.
+  __device__ __forceinline__ void end(int, int) {
+    if (pass + 2 < kWritePasses) {
+      ptx::named_barrier_sync(1 + wg, 128);
+      load_pass(pass + 2);
+    }
+    ++pass;
+  }
+  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant),
+  // j / 8 being the pass.
   __device__ __forceinline__ void write(int j, int half, float d0, float d1) {
     const int col = 8 * j + 2 * q;
     float wh0 = 0.0f, wh1 = 0.0f, dg0 = 0.0f, dg1 = 0.0f, du0 = 0.0f, du1 = 0.0f;
-    if (gu[half] && col < cols) {
-      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gu[half] + col));
-      const float2 u = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(gu[half] + a->intermediate + col));
+    if (live[half] && col < cols) {
+      const uint8_t* staged = gu_smem +
+                              (tid / 32 * 16 + tid % 32 / 4 + 8 * half) * kStagedRowBytes +
+                              j / 8 % 2 * kSlotBytes + (col % kPassCols) * 2;
+      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(staged));
+      const float2 u =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(staged + kPassCols * 2));
       auto one = [&](float gv, float uv, float dhp, float* whv, float* dgv, float* duv) {
         const float sig = gemm::sigmoid(gv);
         const float silu = gv * sig;
@@ -137,9 +197,9 @@ struct DhSink {
       float v = dot[h];
       v += __shfl_xor_sync(0xffffffffu, v, 1);
       v += __shfl_xor_sync(0xffffffffu, v, 2);
-      if (q == 0 && gu[h]) a->dw_partial[row[h] * n_dh + c.n_tile] = v;
+      if (q == 0 && live[h]) a->dw_partial[row[h] * n_dh + c.n_tile] = v;
     }
-    finish();
+    finish(true);
   }
   // kFp8: block b (of the tile's two 128-column blocks) of both rows' dg and du, quantized from
   // the bf16 values kept in dg_block / du_block: the quad's amax by two shuffles, the e4m3
@@ -182,11 +242,15 @@ struct DhSink {
               [(part * I + int64_t{c.n_tile} * kTileCols + col) / fp8::kBlock] = scale;
       }
   }
-  // After the epilogue (every thread of the warpgroup): the tile's rows are written; signal.
-  __device__ __forceinline__ void finish() {
+  // After the epilogue (every thread of the warpgroup): the tile's rows are written; signal,
+  // and free the staging if the tile held it.
+  __device__ __forceinline__ void finish(bool held_staging) {
     cuda::ptx::fence_proxy_async(cuda::ptx::space_global);  // the dx GEMM reads them by TMA
     ptx::named_barrier_sync(1 + wg, 128);
-    if (tid == 0) ptx::signal_counter(counter);
+    if (tid == 0) {
+      ptx::signal_counter(counter);
+      if (held_staging) staging->release(wg);
+    }
   }
   // A warpgroup whose 64 rows are all padding: zeros for them (w·h and [dg | du] at this n tile).
   __device__ __forceinline__ void skip(int warpgroup, int thread) {
@@ -220,7 +284,7 @@ struct DhSink {
                                  2 * I)[(part * I + col0) / fp8::kBlock + b] = 1.0f;
       }
     }
-    finish();
+    finish(false);
   }
 };
 

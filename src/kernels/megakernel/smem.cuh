@@ -66,7 +66,8 @@ struct alignas(1024) MegaSmem {
 // A consumer warpgroup's side of its staging handshake (both GEMMs' sinks share it, so they
 // share the phase count): acquire(), every thread, before the warpgroup writes its staging;
 // publish(), one thread, once the whole warpgroup's writes are fenced for the async proxy and
-// synchronised: hands tile c of `task` to the store warp.
+// synchronised: hands tile c of `task` to the store warp. The backward's dhp sink (dh_sink.cuh)
+// holds it for its g | u instead, and releases it.
 struct StagingHandshake {
   MegaSmem* s;
   uint32_t uses = 0;
@@ -79,6 +80,9 @@ struct StagingHandshake {
     s->staged[wg] = gemm::StageTag{task, static_cast<int32_t>(kind), c};
     ptx::mbarrier_arrive(&s->staging_full[wg]);
   }
+  // release(): one thread, once the whole warpgroup is done with the staging, for a sink that
+  // used it as its own scratch (no store warp involved): frees it as the store warp would.
+  __device__ __forceinline__ void release(int wg) { ptx::mbarrier_arrive(&s->staging_empty[wg]); }
 };
 
 inline constexpr size_t kSmemBytes = sizeof(MegaSmem);
