@@ -431,7 +431,9 @@ __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const 
 // warpgroup's 64 (lane = 4g + q) or, if the sink has it, write_blocks(j, ...) for even j with
 // blocks j and j + 1 as bf16 pairs (ptx::stmatrix_x4's order), then end(wg, tid) if it has one.
 // A sink with kWritePasses = P gets begin, the writes of blocks j of one P-th of the columns and
-// end, P times in column order (a staging buffer smaller than the tile). skip(): every thread, in
+// end, P times in column order (a staging buffer smaller than the tile); with kRolledPasses, the
+// passes run as a loop and write(j, ...) numbers the n8 blocks within the pass (the sink counts
+// its passes). skip(): every thread, in
 // place of all of these when the warpgroup's rows are all padding (after it consumed the tile's
 // stages).
 template <class Sink>
@@ -645,23 +647,47 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     static_assert(kEpi == Epilogue::kStore, "direct sinks take plain outputs");
     constexpr int kPasses = direct_write_passes<Sink>();
     constexpr int kPassBlocks = kTileCols / 8 / kPasses;
+    if constexpr (requires { Sink::kRolledPasses; }) {
+      // The passes as a loop (the sink's code once, not kPasses times: a long epilogue unrolled
+      // outgrows the instruction cache): each pass's accumulators into the same registers, by
+      // selects on the pass (every index a compile-time constant, so acc stays in registers).
+      static_assert(!requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); });
+      constexpr int kPassValues = kTileCols / 2 / kPasses;
+#pragma unroll 1
+      for (int pass = 0; pass < kPasses; ++pass) {
+        auto value = [&](int i) {  // acc[pass * kPassValues + i]
+          float v = acc[i];
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      sink.begin(wg, tid);
-      if constexpr (requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); }) {
-        static_assert(kPassBlocks % 2 == 0);
-        put_block_pairs(acc, pass * kPassBlocks, (pass + 1) * kPassBlocks,
-                        [&](int j, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
-                          sink.write_blocks(j, p0, p1, p2, p3);
-                        });
-      } else {
+          for (int p = 1; p < kPasses; ++p) v = pass == p ? acc[p * kPassValues + i] : v;
+          return v;
+        };
+        sink.begin(wg, tid);
 #pragma unroll
-        for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
-          sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
-          sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+        for (int j = 0; j < kPassBlocks; ++j) {
+          sink.write(j, 0, value(4 * j), value(4 * j + 1));
+          sink.write(j, 1, value(4 * j + 2), value(4 * j + 3));
         }
+        sink.end(wg, tid);
       }
-      if constexpr (requires { sink.end(wg, tid); }) sink.end(wg, tid);
+    } else {
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        sink.begin(wg, tid);
+        if constexpr (requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); }) {
+          static_assert(kPassBlocks % 2 == 0);
+          put_block_pairs(acc, pass * kPassBlocks, (pass + 1) * kPassBlocks,
+                          [&](int j, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
+                            sink.write_blocks(j, p0, p1, p2, p3);
+                          });
+        } else {
+#pragma unroll
+          for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
+            sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
+            sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+          }
+        }
+        if constexpr (requires { sink.end(wg, tid); }) sink.end(wg, tid);
+      }
     }
   } else {
     // Epilogue. NOTES: thread (warp w, lane g*4+q) holds rows w*16+g (+8) and, per n8 block j,

@@ -34,40 +34,46 @@ namespace epflow::kernels::megakernel {
 // g | u reach the epilogue through the warpgroup's staging buffer (the down tiles' push staging,
 // taken for the tile): four passes of 64 columns, two slots, cp.async by all 128 threads; the
 // first two passes' loads are issued before the mainloop, each later one as soon as its slot's
-// previous pass is read. NOTES: read from global memory in the epilogue, every thread's g and u
-// loads were waited for one or two n8 blocks at a time (the accumulators leave no registers to
-// hold more in flight), and those waits made the epilogue longer than the tile's MMAs.
+// previous pass is read. The passes run as a loop, not unrolled (kRolledPasses: consume_tile
+// hands each pass's accumulators over in the same registers). NOTES: with g | u read from
+// global memory one or two n8 blocks at a time, and the whole epilogue unrolled (tens of
+// thousands of instructions, far beyond the instruction cache, fetched again for every tile),
+// the epilogue took longer than the tile's MMAs: its warps stalled on loads and on instruction
+// fetches.
 // kFp8 (the FP8 backward): [dg | du] goes to dgu_out in bf16 (the weight gradients' operand) and,
 // quantized 1 x 128 from those bf16 values, into the ring's packed rows the dx GEMM reads: a
-// row's 128-column block is held by a quad over 16 n8 blocks, so each thread keeps its bf16 pairs
-// of the block until its last n8 block, then the quad reduces the amax and writes the e4m3
-// bytes (quantized_block).
+// row's 128-column block is held by a quad over two passes; each thread keeps the running amax
+// of its rows' dg and du, and once a block is complete (quantized_block) reads back the bf16
+// chunks it stored and writes their e4m3 bytes with the quad's scale.
 template <bool kFp8>
 struct DhSink {
   static constexpr bool kDirect = true;
   static constexpr int kWritePasses = 4;
+  static constexpr bool kRolledPasses = true;
   static constexpr int kPassCols = kTileCols / kWritePasses;
+  static constexpr int kPassBlocks = kPassCols / 8;  // n8 blocks per pass
   // A staged row: two slots of [g | u] (kPassCols each, bf16), then 16 bytes of padding, so the
   // 8 rows a warp reads at once start in 8 different bank groups.
   static constexpr int kSlotBytes = 2 * kPassCols * 2;
   static constexpr int kStagedRowBytes = 2 * kSlotBytes + 16;
   static_assert(kStagedRowBytes % 128 == 16 && 64 * kStagedRowBytes <= kStaging,
                 "g | u's two slots of a warpgroup's 64 rows fit its staging");
-  static constexpr int kBlockJ = fp8::kBlock / 8;  // n8 blocks per 1 x 128 block
+  static_assert(!kFp8 || fp8::kBlock == 2 * kPassCols, "an FP8 block is two passes");
   const MegakernelArgs* a;
   StagingHandshake* staging;
   uint32_t* counter = nullptr;
   gemm::TileCoord c;  // the current tile (skip() needs it too)
   uint8_t* gu_smem;   // the warpgroup's staging, holding g | u
-  bool live[2];       // the thread's rows are routed rows (not padding)
-  __nv_bfloat16* wh[2];   // the thread's rows of w·h at this n tile
-  __nv_bfloat16* dgu[2];  // ... and of [dg | du]
-  uint8_t* packed[2];     // kFp8: the thread's rows of packed [dg | du] at this n tile
-  int64_t row[2];         // the thread's two ring rows
+  const uint8_t* staged[2];  // the thread's rows' g in this pass's slot (u: + kPassCols * 2)
+  bool live[2];              // the thread's rows are routed rows (not padding)
+  __nv_bfloat16* wh[2];      // the thread's rows of w·h at this n tile
+  __nv_bfloat16* dgu[2];     // ... and of [dg | du]
+  uint8_t* packed[2];        // kFp8: the thread's rows of packed [dg | du] at this n tile
+  int64_t row[2];            // the thread's two ring rows
   float w[2], dot[2];
+  float amax[2][2];          // kFp8: the thread's running amax of [row][dg, du] in the block
   int32_t cols = 0, q = 0, wg = 0, tid = 0, pass = 0;
   uint32_t wh_pairs[2][4], dg_pairs[2][4], du_pairs[2][4];
-  uint32_t dg_block[2][kFp8 ? kBlockJ : 1], du_block[2][kFp8 ? kBlockJ : 1];  // kFp8
 
   // Ring row `r`'s g at this n tile (u: + I): kept by the forward or recomputed past it.
   __device__ __forceinline__ const __nv_bfloat16* gate_up_row(int64_t r, int64_t col0) const {
@@ -134,27 +140,22 @@ struct DhSink {
     else
       ptx::cp_async_wait<0>();
     ptx::named_barrier_sync(1 + wg, 128);
-  }
-  // The slot just read takes pass + 2's columns once every thread has read it.
-  __device__ __forceinline__ void end(int, int) {
-    if (pass + 2 < kWritePasses) {
-      ptx::named_barrier_sync(1 + wg, 128);
-      load_pass(pass + 2);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      staged[half] = gu_smem + (tid / 32 * 16 + tid % 32 / 4 + 8 * half) * kStagedRowBytes +
+                     pass % 2 * kSlotBytes + q * 4;
+      if (kFp8 && pass % 2 == 0) amax[half][0] = amax[half][1] = 0.0f;
     }
-    ++pass;
   }
-  // Called for j = 0 .. 31 in order (unrolled: every index below is a compile-time constant),
-  // j / 8 being the pass.
-  __device__ __forceinline__ void write(int j, int half, float d0, float d1) {
-    const int col = 8 * j + 2 * q;
+  // n8 block jj of this pass (jj = 0 .. kPassBlocks - 1, unrolled: a compile-time constant).
+  __device__ __forceinline__ void write(int jj, int half, float d0, float d1) {
+    const int col = pass * kPassCols + 8 * jj + 2 * q;  // in the tile
     float wh0 = 0.0f, wh1 = 0.0f, dg0 = 0.0f, dg1 = 0.0f, du0 = 0.0f, du1 = 0.0f;
     if (live[half] && col < cols) {
-      const uint8_t* staged = gu_smem +
-                              (tid / 32 * 16 + tid % 32 / 4 + 8 * half) * kStagedRowBytes +
-                              j / 8 % 2 * kSlotBytes + (col % kPassCols) * 2;
-      const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(staged));
-      const float2 u =
-          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(staged + kPassCols * 2));
+      const float2 g =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(staged[half] + 16 * jj));
+      const float2 u = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(staged[half] + 16 * jj + kPassCols * 2));
       auto one = [&](float gv, float uv, float dhp, float* whv, float* dgv, float* duv) {
         const float sig = gemm::sigmoid(gv);
         const float silu = gv * sig;
@@ -168,16 +169,17 @@ struct DhSink {
       one(g.x, u.x, d0, &wh0, &dg0, &du0);
       one(g.y, u.y, d1, &wh1, &dg1, &du1);
     }
-    wh_pairs[half][j % 4] = gemm::bf16_pair(wh0, wh1);
-    dg_pairs[half][j % 4] = gemm::bf16_pair(dg0, dg1);
-    du_pairs[half][j % 4] = gemm::bf16_pair(du0, du1);
+    wh_pairs[half][jj % 4] = gemm::bf16_pair(wh0, wh1);
+    dg_pairs[half][jj % 4] = gemm::bf16_pair(dg0, dg1);
+    du_pairs[half][jj % 4] = gemm::bf16_pair(du0, du1);
     if constexpr (kFp8) {
-      dg_block[half][j % kBlockJ] = dg_pairs[half][j % 4];
-      du_block[half][j % kBlockJ] = du_pairs[half][j % 4];
-      if (j % kBlockJ == kBlockJ - 1 && half == 1) quantized_block(j / kBlockJ);
+      // Of the unrounded values: rounding to bf16 keeps their order (and NaN, infinity), so the
+      // block's amax rounded once is the amax of the bf16 values the block quantizes.
+      amax[half][0] = fp8::amax_nan(amax[half][0], fp8::amax_nan(fabsf(dg0), fabsf(dg1)));
+      amax[half][1] = fp8::amax_nan(amax[half][1], fp8::amax_nan(fabsf(du0), fabsf(du1)));
     }
-    if (j % 4 != 3 || half != 1) return;
-    const int block = 8 * (j - 3 + q);
+    if (jj % 4 != 3 || half != 1) return;
+    const int block = pass * kPassCols + 8 * (jj - 3 + q);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint4 vwh = gemm::quad_gather_block(wh_pairs[h], q);
@@ -189,7 +191,17 @@ struct DhSink {
         *reinterpret_cast<uint4*>(dgu[h] + a->intermediate + block) = vdu;
       }
     }
-    if (j != kTileCols / 8 - 1) return;
+  }
+  // After pass `pass`: an FP8 block completed, the slot just read refilled with pass + 2's
+  // columns (once every thread has read it), and after the last pass the rows' <dhp, h>.
+  __device__ __forceinline__ void end(int, int) {
+    if constexpr (kFp8)
+      if (pass % 2 == 1) quantized_block(pass / 2);
+    if (pass + 2 < kWritePasses) {
+      ptx::named_barrier_sync(1 + wg, 128);
+      load_pass(pass + 2);
+    }
+    if (++pass < kWritePasses) return;
     // The quad's four partial sums of each row, in a fixed order.
     const int32_t n_dh = backward_dh_tiles(a->intermediate);
 #pragma unroll
@@ -201,46 +213,47 @@ struct DhSink {
     }
     finish(true);
   }
-  // kFp8: block b (of the tile's two 128-column blocks) of both rows' dg and du, quantized from
-  // the bf16 values kept in dg_block / du_block: the quad's amax by two shuffles, the e4m3
-  // pairs swapped across the quad so that each lane stores 8 whole bytes per four n8 blocks (a
-  // quad writes 32 contiguous bytes), the scale by lane 0. Padding rows hold zeros (scale 1).
+  // kFp8: block b (of the tile's two 128-column blocks) of both rows' dg and du: the quad's amax
+  // by two shuffles, then the bf16 chunks this lane stored (n8 blocks 4i + q of the block: its
+  // own writes, read back) as e4m3, 8 bytes per chunk, and the scale by lane 0. Padding rows
+  // hold zeros (scale 1).
   __device__ __forceinline__ void quantized_block(int b) {
     const int64_t I = a->intermediate;
     const int32_t col = b * fp8::kBlock;  // in the tile
     if (col >= cols) return;              // past I (the same for the whole tile)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
+      uint4 chunk[2][4];
+#pragma unroll
+      for (int part = 0; part < 2; ++part)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          chunk[part][i] =
+              *reinterpret_cast<const uint4*>(dgu[h] + part * I + col + 8 * (4 * i + q));
 #pragma unroll
       for (int part = 0; part < 2; ++part) {  // dg, then du (I columns later)
-        const uint32_t* pairs = part == 0 ? dg_block[h] : du_block[h];
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kBlockJ; ++i) {
-          const float2 v = gemm::bf16_pair_to_float2(pairs[i]);
-          amax = fp8::amax_nan(amax, fp8::amax_nan(fabsf(v.x), fabsf(v.y)));
-        }
-        amax = fp8::amax_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fp8::amax_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const float scale = fp8::block_scale(amax, a->fp8_pow2_scales);
+        float m = amax[h][part];
+        m = fp8::amax_nan(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fp8::amax_nan(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const float scale =
+            fp8::block_scale(__bfloat162float(__float2bfloat16(m)), a->fp8_pow2_scales);
         uint8_t* dst = packed[h] + part * I + col;
 #pragma unroll
-        for (int i = 0; i < kBlockJ / 4; ++i) {
-          uint32_t e4m3[4];
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const float2 v = gemm::bf16_pair_to_float2(pairs[4 * i + r]);
-            e4m3[r] = fp8::quantize_pair(v.x, v.y, scale);
-          }
-          // Lane q gets n8 block 4i + q: word r holds lane r's two bytes of it.
-          const uint4 g = gemm::quad_gather_block(e4m3, q);
-          *reinterpret_cast<uint2*>(dst + 8 * (4 * i + q)) =
-              make_uint2(g.x | g.y << 16, g.z | g.w << 16);
+        for (int i = 0; i < 4; ++i) {
+          const uint4 v = chunk[part][i];
+          const float2 v0 = gemm::bf16_pair_to_float2(v.x), v1 = gemm::bf16_pair_to_float2(v.y);
+          const float2 v2 = gemm::bf16_pair_to_float2(v.z), v3 = gemm::bf16_pair_to_float2(v.w);
+          *reinterpret_cast<uint2*>(dst + 8 * (4 * i + q)) = make_uint2(
+              uint32_t{fp8::quantize_pair(v0.x, v0.y, scale)} |
+                  uint32_t{fp8::quantize_pair(v1.x, v1.y, scale)} << 16,
+              uint32_t{fp8::quantize_pair(v2.x, v2.y, scale)} |
+                  uint32_t{fp8::quantize_pair(v3.x, v3.y, scale)} << 16);
         }
         if (q == 0)
           reinterpret_cast<float*>(packed[h] - (int64_t{c.n_tile} * kTileCols) + 2 * I)
               [(part * I + int64_t{c.n_tile} * kTileCols + col) / fp8::kBlock] = scale;
       }
+    }
   }
   // After the epilogue (every thread of the warpgroup): the tile's rows are written; signal,
   // and free the staging if the tile held it.
