@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Where a kernel's warps stall, by source line: reads the CSV of
+`ncu --import REPORT --page source --csv --print-source cuda,sass` (a report taken with
+--section SourceCounters and a -lineinfo build) and prints the lines with the most warp-stall
+samples, their top stall reasons, and per source file the samples, the no-instruction stalls
+(instruction fetch) and the static SASS instruction count (the code's size).
+
+    source_stalls.py SOURCE.csv [--top N]
+"""
+import argparse
+import collections
+import csv
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    samples, sass, no_inst = collections.Counter(), collections.Counter(), collections.Counter()
+    reasons = collections.defaultdict(collections.Counter)
+    text, total = {}, 0
+    path, line, header = None, None, None
+    for row in csv.reader(open(args.csv)):
+        if not row or row[0] == "Function Name":
+            continue
+        if row[0] == "File Path":
+            path = row[1].split("/")[-1]
+            continue
+        if row[0] == "Line No":
+            header = row
+            col = header.index("Warp Stall Sampling (All Samples)")
+            stalls = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
+            continue
+        if row[0] == "":  # a SASS instruction of the line above
+            sass[line] += 1
+            continue
+        line = (path, int(row[0]))
+        text[line] = row[1].strip()[:80]
+        n = int(row[col]) if row[col].isdigit() else 0
+        samples[line] += n
+        total += n
+        for i in stalls:
+            if row[i].isdigit():
+                reasons[line][header[i][len("stall_"):]] += int(row[i])
+    print(f"warp-stall samples: {total}")
+    print(f"{'samples':>8} {'%':>5} {'SASS':>5}  line | top stall reasons")
+    for k, n in samples.most_common(args.top):
+        top = ", ".join(f"{r} {c}" for r, c in reasons[k].most_common(3))
+        print(f"{n:8d} {100 * n / total:5.1f} {sass[k]:5d}  {k[0]}:{k[1]} {text[k]} | {top}")
+    files = collections.defaultdict(lambda: [0, 0, 0])
+    for k in set(samples) | set(sass):
+        files[k[0]][0] += samples[k]
+        files[k[0]][1] += reasons[k]["no_inst"]
+        files[k[0]][2] += sass[k]
+    print(f"\n{'samples':>8} {'no_inst':>8} {'SASS':>6}  file")
+    for f, (n, ni, s) in sorted(files.items(), key=lambda x: -x[1][0])[: args.top]:
+        print(f"{n:8d} {ni:8d} {s:6d}  {f}")
+
+
+if __name__ == "__main__":
+    main()
