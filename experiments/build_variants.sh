@@ -1,7 +1,8 @@
 # Sourced by an experiment's run.sh (from the repository root): build_variants PATCH_DIR PREFIX
 # VARIANT... copies the tree to PREFIX_VARIANT for each variant, applies PATCH_DIR/VARIANT.patch
 # (none for "base") and builds epflow-bench there, the variants in parallel. NCCL_ROOT as
-# scripts/build.sh finds it.
+# scripts/build.sh finds it. VARIANT_TESTS="test_a test_b": those GPU tests are built too
+# (GoogleTest from .deps/googletest, as scripts/build.sh takes it on the GPU machine).
 build_variants() {
   local here=$1 prefix=$2 v d
   shift 2
@@ -11,9 +12,14 @@ build_variants() {
     cp -r CMakeLists.txt cmake src include bench tests examples python scripts $d/
     [ -d .deps ] && ln -sfn $PWD/.deps $d/.deps
     [ $v = base ] || (cd $d && patch -s -p1 < $OLDPWD/$here/$v.patch) || { echo "patch $v failed"; return 1; }
-    ( cmake -S $d -B $d/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPFLOW_BUILD_TESTS=OFF \
+    local tests=(-DEPFLOW_BUILD_TESTS=OFF)
+    [ -n "${VARIANT_TESTS:-}" ] && tests=(-DEPFLOW_BUILD_TESTS=ON)
+    [ -n "${VARIANT_TESTS:-}" ] && [ -d .deps/googletest ] &&
+      tests+=(-DEPFLOW_GTEST_SOURCE_DIR=$PWD/.deps/googletest)
+    ( cmake -S $d -B $d/build -G Ninja -DCMAKE_BUILD_TYPE=Release "${tests[@]}" \
         -DEPFLOW_NCCL_ROOT=$NCCL_ROOT > $d/cfg.log 2>&1 &&
-      cmake --build $d/build -j $jobs --target epflow-bench > $d/build.log 2>&1 || echo "build $v failed" ) &
+      cmake --build $d/build -j $jobs --target epflow-bench ${VARIANT_TESTS:-} > $d/build.log 2>&1 ||
+      echo "build $v failed" ) &
   done
   wait
 }
