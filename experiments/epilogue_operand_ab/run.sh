@@ -3,26 +3,25 @@
 # the patch touches), runs those tests on each patched build, then times the FP8 and bf16
 # forward and backward at DeepSeek-V3, 512 / 2048 / 8192 tokens, two rounds in alternating
 # order. Run from the repository root on a GPU machine (GoogleTest in .deps/googletest, as for
-# scripts/build.sh there); about 7 min.
+# scripts/build.sh there); about 9 min.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 here=experiments/epilogue_operand_ab
-vars="base quad_transpose operand_passes_pipelined"
-export VARIANT_TESTS="test_layer_backward_gpu test_fp8_quantize_gpu test_fp8_wgrad_gpu"
+vars="base quad_transpose operand_passes_pipelined wgrad_stmatrix"
+export VARIANT_TESTS="test_layer_backward_gpu test_fp8_quantize_gpu test_fp8_wgrad_gpu test_expert_ffn_wgrad_gpu"
 source experiments/build_variants.sh
 build_variants $here /tmp/eoab $vars || exit 1
 # Bitwise-equal changes: the tests that hold their kernels to the references.
 backward="LayerBackwardGpu.Ep1UniformImbalancedAndEmptySlots:LayerBackwardGpu.RingWrapAndIntermediateTailEp1"
 backward+=":LayerBackwardGpu.Fp8MatchesTheReferencesEp1:LayerBackwardGpu.Fp8ContextsInFlightInAnyOrderEp1"
-for v in quad_transpose operand_passes_pipelined; do
+for v in quad_transpose operand_passes_pipelined wgrad_stmatrix; do
   t=/tmp/eoab_$v/build/tests
   echo "== tests, $v"
   timeout 150 $t/test_layer_backward_gpu --gtest_filter=$backward 2>&1 | grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure"
-  if [ $v = operand_passes_pipelined ]; then
-    timeout 60 $t/test_fp8_quantize_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
-    timeout 60 $t/test_fp8_wgrad_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
-  fi
+  [ $v = operand_passes_pipelined ] && timeout 60 $t/test_fp8_quantize_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
+  [ $v = quad_transpose ] || timeout 60 $t/test_fp8_wgrad_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
+  [ $v = wgrad_stmatrix ] && timeout 90 $t/test_expert_ffn_wgrad_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
 done
 for round in 1 2; do
   order="$vars"; [ $round = 2 ] && order=$(echo $vars | tr ' ' '\n' | tac | tr '\n' ' ')
