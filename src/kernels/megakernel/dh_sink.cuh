@@ -51,7 +51,6 @@ struct DhSink {
   static constexpr int kWritePasses = 4;
   static constexpr bool kRolledPasses = true;
   static constexpr int kPassCols = kTileCols / kWritePasses;
-  static constexpr int kPassBlocks = kPassCols / 8;  // n8 blocks per pass
   // A staged row: two slots of [g | u] (kPassCols each, bf16), then 16 bytes of padding, so the
   // 8 rows a warp reads at once start in 8 different bank groups.
   static constexpr int kSlotBytes = 2 * kPassCols * 2;
@@ -147,7 +146,7 @@ struct DhSink {
       if (kFp8 && pass % 2 == 0) amax[half][0] = amax[half][1] = 0.0f;
     }
   }
-  // n8 block jj of this pass (jj = 0 .. kPassBlocks - 1, unrolled: a compile-time constant).
+  // n8 block jj of this pass (jj = 0 .. kPassCols / 8 - 1, unrolled: a compile-time constant).
   __device__ __forceinline__ void write(int jj, int half, float d0, float d1) {
     const int col = pass * kPassCols + 8 * jj + 2 * q;  // in the tile
     float wh0 = 0.0f, wh1 = 0.0f, dg0 = 0.0f, dg1 = 0.0f, du0 = 0.0f, du1 = 0.0f;
