@@ -431,9 +431,9 @@ __device__ __forceinline__ void store_staging(const CUtensorMap* map_out, const 
 // warpgroup's 64 (lane = 4g + q) or, if the sink has it, write_blocks(j, ...) for even j with
 // blocks j and j + 1 as bf16 pairs (ptx::stmatrix_x4's order), then end(wg, tid) if it has one.
 // A sink with kWritePasses = P gets begin, the writes of blocks j of one P-th of the columns and
-// end, P times in column order (a staging buffer smaller than the tile); with kRolledPasses, the
-// passes run as a loop and write(j, ...) numbers the n8 blocks within the pass (the sink counts
-// its passes). skip(): every thread, in
+// end, P times in column order (a staging buffer smaller than the tile); with kRolledPasses (such
+// a sink has end()), the passes run as a loop and write(j, ...) numbers the n8 blocks within the
+// pass (the sink counts its passes). skip(): every thread, in
 // place of all of these when the warpgroup's rows are all padding (after it consumed the tile's
 // stages).
 template <class Sink>
@@ -442,6 +442,13 @@ __host__ __device__ constexpr int direct_write_passes() {
     return Sink::kWritePasses;
   else
     return 1;
+}
+template <class Sink>
+__host__ __device__ constexpr bool rolled_write_passes() {
+  if constexpr (requires { Sink::kRolledPasses; })
+    return Sink::kRolledPasses;
+  else
+    return false;
 }
 // DirectStoreSink: the standalone GEMM stores its tiles itself.
 template <Epilogue kEpi>
@@ -647,7 +654,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
     static_assert(kEpi == Epilogue::kStore, "direct sinks take plain outputs");
     constexpr int kPasses = direct_write_passes<Sink>();
     constexpr int kPassBlocks = kTileCols / 8 / kPasses;
-    if constexpr (requires { Sink::kRolledPasses; }) {
+    if constexpr (rolled_write_passes<Sink>()) {
       // The passes as a loop (the sink's code once, not kPasses times: a long epilogue unrolled
       // outgrows the instruction cache): each pass's accumulators into the same registers, by
       // selects on the pass (every index a compile-time constant, so acc stays in registers).
