@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# Builds the tree as it is and once per patch here (each in /tmp/eoab_NAME, with the GPU tests
-# the patch touches), runs those tests on each patched build, then times the FP8 and bf16
-# forward and backward at DeepSeek-V3, 512 / 2048 / 8192 tokens, two rounds in alternating
-# order. Run from the repository root on a GPU machine (GoogleTest in .deps/googletest, as for
-# scripts/build.sh there); about 9 min.
+# Builds the tree as it is and once per patch named (default: every patch here), each in
+# /tmp/eoab_NAME with the GPU tests the patches touch, runs those tests on each patched build,
+# then times the FP8 and bf16 forward and backward at DeepSeek-V3, 512 / 2048 / 8192 tokens,
+# two rounds in alternating order. Run from the repository root on a GPU machine (GoogleTest in .deps/googletest, as for
+# scripts/build.sh there). Arguments: the patches to take (default all four, about 11 min; two
+# at a time fit a 10-minute call).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 here=experiments/epilogue_operand_ab
-vars="base quad_transpose operand_passes_pipelined wgrad_stmatrix"
+patched="${*:-quad_transpose operand_passes_pipelined wgrad_stmatrix wgrad_k_unroll}"
+vars="base $patched"
 export VARIANT_TESTS="test_layer_backward_gpu test_fp8_quantize_gpu test_fp8_wgrad_gpu test_expert_ffn_wgrad_gpu"
 source experiments/build_variants.sh
 build_variants $here /tmp/eoab $vars || exit 1
 # Bitwise-equal changes: the tests that hold their kernels to the references.
 backward="LayerBackwardGpu.Ep1UniformImbalancedAndEmptySlots:LayerBackwardGpu.RingWrapAndIntermediateTailEp1"
 backward+=":LayerBackwardGpu.Fp8MatchesTheReferencesEp1:LayerBackwardGpu.Fp8ContextsInFlightInAnyOrderEp1"
-for v in quad_transpose operand_passes_pipelined wgrad_stmatrix; do
+for v in $patched; do
   t=/tmp/eoab_$v/build/tests
   echo "== tests, $v"
   timeout 150 $t/test_layer_backward_gpu --gtest_filter=$backward 2>&1 | grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure"
