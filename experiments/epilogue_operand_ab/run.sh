@@ -3,8 +3,8 @@
 # /tmp/eoab_NAME with the GPU tests the patches touch, runs those tests on each patched build,
 # then times the FP8 and bf16 forward and backward at DeepSeek-V3, 512 / 2048 / 8192 tokens,
 # two rounds in alternating order. Run from the repository root on a GPU machine (GoogleTest in .deps/googletest, as for
-# scripts/build.sh there). Arguments: the patches to take (default all four, about 11 min; two
-# at a time fit a 10-minute call).
+# scripts/build.sh there). Arguments: the patches to take (default all four: an estimated 6-11
+# min, not yet timed; two at a time surely fit a 10-minute call).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
