@@ -9,7 +9,9 @@ README (EPFlow against the baselines, each pass in the mode the other system run
 EPFlow's FP8 layer (epflow-bench --dtype fp8: system epflow-fp8) get a table of their own against
 the bf16 systems and the FP8 baselines (nccl-pytorch-fp8); bench/fp8_yardsticks.py files ("kind":
 "fp8-yardsticks") theirs; --summary adds their FP8 column (EPFlow FP8 against NCCL+PyTorch FP8;
-the bf16 runs of a file with FP8 runs stay out of the summary, the other files give those).
+the bf16 runs of a file with FP8 runs stay out of the summary, the other files give those) and,
+for a file with FP8 backward runs, an FP8 training-step column against that file's own
+NCCL+PyTorch bf16 step. Where files measure the same point, the later file's runs win.
 bench/moelayer_step.py, bench/layer_memory.py, bench/megatron_layer.py and
 experiments/deepgemm_same_run files ("kind": "fp8-gemm-vs-deepgemm") get their own.
 Usage: bench/report.py [--summary] RESULT.json [RESULT.json ...]"""
@@ -457,12 +459,29 @@ def render_baseline_stages(runs):
               f"| {r['stage_us_2']:.0f} | {r['stage_us_3']:.0f} | {r['commit']} |")
 
 
+# In --summary, an FP8 file's NCCL+PyTorch bf16 training step (its backward runs) stays, under
+# this name: the FP8 training step is compared with the bf16 step of the same run.
+TORCH_STEP_BESIDE_FP8 = "nccl-pytorch-beside-fp8"
+
+
+def fp8_summary_runs(doc):
+    """An FP8 file's runs as --summary keeps them: its FP8 runs and, if it has FP8 backward runs,
+    NCCL+PyTorch's backward runs renamed (the other bf16 runs are left out: the bf16 files give
+    those)."""
+    runs = [r for r in doc["runs"] if is_fp8(r.get("system", "epflow"))]
+    if any(r.get("system") == FP8 and r.get("direction") == "bwd" for r in runs):
+        runs += [{**r, "system": TORCH_STEP_BESIDE_FP8} for r in doc["runs"]
+                 if r.get("system") == "nccl-pytorch" and r.get("direction") == "bwd"]
+    return runs
+
+
 def render_summary(runs):
     """The README's table: per point, EPFlow against the baseline that runs each pass the same
     way: inference forward against NCCL+cuBLAS (the inference baseline), training forward,
     backward and training step (forward + backward timed as one) against NCCL+PyTorch, and, with
-    FP8 runs, EPFlow's FP8 inference forward against NCCL+PyTorch's FP8 one; µs, EPFlow's speedup
-    in brackets."""
+    FP8 runs, EPFlow's FP8 inference forward against NCCL+PyTorch's FP8 one and, with FP8
+    backward runs, EPFlow's FP8 training step (with the weights' re-quantization) against
+    NCCL+PyTorch's bf16 step of the same run; µs, EPFlow's speedup in brackets."""
     rows = {}
     for r in runs:
         rows.setdefault(point(r), {})[(r["system"], r["direction"])] = r
@@ -475,13 +494,17 @@ def render_summary(runs):
         return "n/a" if a is None or b is None else f"{a:.0f} / {b:.0f} ({b / a:.2f}x)"
 
     fp8 = any(r["system"] == FP8 for r in runs)
+    fp8_step = any(r["system"] == FP8 and r["direction"] == "bwd" for r in runs)
     print("| model | tokens per GPU | EP | routing "
           "| inference forward, µs: EPFlow / NCCL+cuBLAS "
           "| training forward, µs: EPFlow / NCCL+PyTorch "
           "| backward, µs: EPFlow / NCCL+PyTorch "
           "| training step, µs: EPFlow / NCCL+PyTorch "
-          + ("| FP8 inference forward, µs: EPFlow / NCCL+PyTorch " if fp8 else "") + "|")
-    print("|---|---:|---:|---|---:|---:|---:|---:|" + ("---:|" if fp8 else ""))
+          + ("| FP8 inference forward, µs: EPFlow / NCCL+PyTorch " if fp8 else "")
+          + ("| FP8 training step, µs: EPFlow FP8 / NCCL+PyTorch bf16 " if fp8_step else "")
+          + "|")
+    print("|---|---:|---:|---|---:|---:|---:|---:|" + ("---:|" if fp8 else "")
+          + ("---:|" if fp8_step else ""))
     for key in sorted(rows, key=lambda k: (presets.index(k[0]), -k[2], routings.index(k[3]),
                                            k[1])):
         row = rows[key]
@@ -494,6 +517,9 @@ def render_summary(runs):
         if fp8:
             cells.append(cell(row.get((FP8, "fwd")), row.get(("nccl-pytorch-fp8", "fwd")),
                               "layer_us"))
+        if fp8_step:
+            cells.append(cell(row.get((FP8, "bwd")), row.get((TORCH_STEP_BESIDE_FP8, "bwd")),
+                              "train_step_us", "train_step_us"))
         print(f"| {NAMES.get(key[0], key[0])} | {key[1]} | {key[2]} | {key[3]} | "
               + " | ".join(cells) + " |")
 
@@ -615,8 +641,7 @@ def main(paths, summary=False):
     if summary:
         layer = [d for d in docs if d.get("kind") != "gemm"]
         fp8_docs = [d for d in layer if any(r.get("system") == FP8 for r in d["runs"])]
-        layer = [{**d, "runs": [r for r in d["runs"] if is_fp8(r.get("system", "epflow"))]}
-                 if d in fp8_docs else d for d in layer]
+        layer = [{**d, "runs": fp8_summary_runs(d)} if d in fp8_docs else d for d in layer]
         render_summary(layer_runs(layer))
         return
     layer = [d for d in docs if d.get("kind") != "gemm"]
