@@ -3,6 +3,9 @@
 # (none for "base") and builds epflow-bench there, the variants in parallel. NCCL_ROOT as
 # scripts/build.sh finds it. VARIANT_TESTS="test_a test_b": those GPU tests are built too
 # (GoogleTest from .deps/googletest, as scripts/build.sh takes it on the GPU machine).
+# time_variants PREFIX TOKENS PATTERN VARIANT... then times each variant's FP8 (and bf16) backward
+# with epflow-bench at TOKENS, two rounds, the second in reverse order, keeping the lines that
+# match PATTERN.
 build_variants() {
   local here=$1 prefix=$2 v d
   shift 2
@@ -22,4 +25,17 @@ build_variants() {
       echo "build $v failed" ) &
   done
   wait
+}
+
+time_variants() {
+  local prefix=$1 tokens=$2 pattern=$3 round v order
+  shift 3
+  for round in 1 2; do
+    order="$*"; [ $round = 2 ] && order=$(echo "$@" | tr ' ' '\n' | tac | tr '\n' ' ')
+    for v in $order; do
+      echo "== $v, round $round"
+      ${prefix}_$v/build/epflow-bench --dtype fp8 --backward --tokens $tokens --warmup 5 --iters 10 \
+        --settle-ms 500 --baselines none | grep -E "$pattern"
+    done
+  done
 }

@@ -9,11 +9,4 @@ here=experiments/backward_task_order_ab
 vars="base no_x_pull dhp_n_fastest no_lag"
 source experiments/build_variants.sh
 build_variants $here /tmp/var $vars || exit 1
-for round in 1 2; do
-  order="$vars"; [ $round = 2 ] && order=$(echo $vars | tr ' ' '\n' | tac | tr '\n' ' ')
-  for v in $order; do
-    echo "== $v, round $round"
-    /tmp/var_$v/build/epflow-bench --dtype fp8 --backward --tokens 8192 --warmup 5 --iters 10 \
-      --settle-ms 500 --baselines none | grep -E "backward  |its stages"
-  done
-done
+time_variants /tmp/var 8192 "backward  |its stages" $vars

@@ -11,14 +11,7 @@ here=experiments/dhp_stall_ab
 vars="base weights_evict_last dhp_no_swiglu_bwd dhp_gu_batched_loads"
 source experiments/build_variants.sh
 build_variants $here /tmp/dhpab $vars || exit 1
-for round in 1 2; do
-  order="$vars"; [ $round = 2 ] && order=$(echo $vars | tr ' ' '\n' | tac | tr '\n' ' ')
-  for v in $order; do
-    echo "== $v, round $round"
-    /tmp/dhpab_$v/build/epflow-bench --dtype fp8 --backward --tokens 2048,8192 --warmup 5 \
-      --iters 10 --settle-ms 500 --baselines none | grep -E "tokens/rank|megakernel \(fused|backward  |its stages"
-  done
-done
+time_variants /tmp/dhpab 2048,8192 "tokens/rank|megakernel \(fused|backward  |its stages" $vars
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 for v in base weights_evict_last; do
   echo "== ncu, $v"

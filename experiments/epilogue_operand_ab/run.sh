@@ -25,11 +25,4 @@ for v in $patched; do
   [ $v = quad_transpose ] || timeout 60 $t/test_fp8_wgrad_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
   [ $v = wgrad_stmatrix ] && timeout 90 $t/test_expert_ffn_wgrad_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
 done
-for round in 1 2; do
-  order="$vars"; [ $round = 2 ] && order=$(echo $vars | tr ' ' '\n' | tac | tr '\n' ' ')
-  for v in $order; do
-    echo "== $v, round $round"
-    /tmp/eoab_$v/build/epflow-bench --dtype fp8 --backward --tokens 512,2048,8192 --warmup 5 \
-      --iters 10 --settle-ms 500 --baselines none | grep -E "tokens/rank|megakernel \(fused|backward  |its stages"
-  done
-done
+time_variants /tmp/eoab 512,2048,8192 "tokens/rank|megakernel \(fused|backward  |its stages" $vars

@@ -44,7 +44,9 @@ namespace epflow::kernels::megakernel {
 // quantized 1 x 128 from those bf16 values, into the ring's packed rows the dx GEMM reads: a
 // row's 128-column block is held by a quad over two passes; each thread keeps the running amax
 // of its rows' dg and du, and once a block is complete (quantized_block) reads back the bf16
-// chunks it stored and writes their e4m3 bytes with the quad's scale.
+// chunks it stored and writes their e4m3 bytes with the quad's scale. NOTES: the read-back costs
+// a second read of [dg | du] (mostly from L2, just written); keeping the block's bf16 pairs in
+// registers instead (64 per thread) is what left no registers for a pass loop.
 template <bool kFp8>
 struct DhSink {
   static constexpr bool kDirect = true;
