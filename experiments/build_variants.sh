@@ -1,11 +1,14 @@
 # Sourced by an experiment's run.sh (from the repository root): build_variants PATCH_DIR PREFIX
 # VARIANT... copies the tree to PREFIX_VARIANT for each variant, applies PATCH_DIR/VARIANT.patch
-# (none for "base") and builds epflow-bench there, the variants in parallel. NCCL_ROOT as
-# scripts/build.sh finds it. VARIANT_TESTS="test_a test_b": those GPU tests are built too
-# (GoogleTest from .deps/googletest, as scripts/build.sh takes it on the GPU machine).
+# (none for "base") and builds epflow-bench there, the variants in parallel. Sourcing it sets
+# the no-multicast environment and NCCL_ROOT (the nvidia-nccl wheel's, unless set).
+# VARIANT_TESTS="test_a test_b": those GPU tests are built too (GoogleTest from
+# .deps/googletest, as scripts/build.sh takes it on the GPU machine).
 # time_variants PREFIX TOKENS PATTERN VARIANT... then times each variant's FP8 (and bf16) backward
 # with epflow-bench at TOKENS, two rounds, the second in reverse order, keeping the lines that
 # match PATTERN.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 build_variants() {
   local here=$1 prefix=$2 v d
   shift 2

@@ -3,8 +3,6 @@
 # bf16 backward at DeepSeek-V3, 8192 tokens, two rounds in alternating order. Run from the
 # repository root on a GPU machine (NCCL_ROOT as scripts/build.sh finds it).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 here=experiments/backward_task_order_ab
 vars="base no_x_pull dhp_n_fastest no_lag"
 source experiments/build_variants.sh

@@ -5,8 +5,6 @@
 # at 2048 tokens (clocks left alone), without and with the L2 policy. Run from the repository root
 # on a GPU machine; about 9 min.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 here=experiments/dhp_stall_ab
 vars="base weights_evict_last dhp_no_swiglu_bwd dhp_gu_batched_loads"
 source experiments/build_variants.sh

@@ -6,8 +6,6 @@
 # scripts/build.sh there). Arguments: the patches to take (default all four: an estimated 6-11
 # min, not yet timed; two at a time surely fit a 10-minute call).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 here=experiments/epilogue_operand_ab
 patched="${*:-quad_transpose operand_passes_pipelined wgrad_stmatrix wgrad_k_unroll}"
 vars="base $patched"
