@@ -56,6 +56,20 @@ struct WgradSink {
     if (tid == 0) ptx::tma_store_wait_read();  // the previous pass's TMA has read the staging
     ptx::named_barrier_sync(1 + wg, 128);
   }
+  // bf16: blocks j (even) and j + 1 of the thread's rows as bf16 pairs, by stmatrix (a quarter
+  // of the store instructions; the same bytes in the same places as write()): lane 8i + r
+  // addresses row r of matrix i = (block j + i / 2, rows g or g + 8 by i % 2), the 16-byte chunk
+  // (j + i / 2) % 8 of its box row, swizzled by the row.
+  __device__ __forceinline__ void write_blocks(int j, uint32_t j_top, uint32_t j_bottom,
+                                               uint32_t next_top, uint32_t next_bottom)
+    requires(sizeof(T) == 2)
+  {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
+    const int mat = lane / 8, row = warp * 16 + lane % 8 + 8 * (mat % 2);
+    ptx::stmatrix_x4(ptx::smem_addr(staging) + (j / 8) * 64 * 128 + row * 128 +
+                         (((j % 8) + mat / 2) ^ (row % 8)) * 16,
+                     j_top, j_bottom, next_top, next_bottom);
+  }
   // NOTES: a row's 128-byte box rows are 16-byte chunks swizzled by the row (chunk ^ row % 8),
   // so a warp's stores (8 rows x 4 lanes) spread over the banks.
   __device__ __forceinline__ void write(int j, int half, float v0, float v1) {
@@ -172,6 +186,10 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
 // weight-scale slot (fp8_weight_scale_box), and the pipeline counts each chunk as a tile (its
 // scales come with its first stage).
 constexpr int32_t kFp8ChunkBlocks = 248;
+// The FP8 K loop unrolled by 4, as the standalone FP8 GEMM's (fp8_grouped_gemm.cu): the
+// compiler schedules the next block's stage wait and scale loads into the previous block's
+// promotion. (The megakernels keep 1: their code size is what limits them.)
+constexpr int kFp8KUnroll = 4;
 constexpr int32_t kFp8ChunkScaleBox = gemm::fp8_weight_scale_box(kFp8ChunkBlocks);
 static_assert(kFp8ChunkScaleBox <= 256 &&
               kFp8ChunkScaleBox * 4 <= gemm::kFp8WeightScaleRowBytes);
@@ -283,8 +301,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
         const int32_t n = min(kFp8ChunkBlocks, k_blocks - first);
         sc.k0 = c.a_row / fp8::kBlock + first;
         fp8_b_rows(fp, c, first, &sc.b_row0, &sc.b_row1);
-        gemm::fp8_mainloop<Epilogue::kStore, 1, kStages, gemm::kStagingBytes<Epilogue::kStore>,
-                           true>(s, ps, c, n, wg - 1, sc, acc);
+        gemm::fp8_mainloop<Epilogue::kStore, kFp8KUnroll, kStages,
+                           gemm::kStagingBytes<Epilogue::kStore>, true>(s, ps, c, n, wg - 1, sc,
+                                                                        acc);
         ps.next_tile();
       }
       sink.prepare(c, wg - 1, tid);
@@ -292,10 +311,17 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
 #pragma unroll
       for (int pass = 0; pass < Sink::kWritePasses; ++pass) {
         sink.begin(wg - 1, tid);
+        if constexpr (requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); }) {
+          gemm::put_block_pairs(acc, pass * kPassBlocks, (pass + 1) * kPassBlocks,
+                                [&](int j, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
+                                  sink.write_blocks(j, p0, p1, p2, p3);
+                                });
+        } else {
 #pragma unroll
-        for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
-          sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
-          sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+          for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
+            sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
+            sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+          }
         }
         sink.end(wg - 1, tid);
       }
