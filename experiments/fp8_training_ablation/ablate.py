@@ -5,7 +5,8 @@ An experiment beside EPFlow, not part of it. It trains train_moe.py's model (its
 optimizer and loss, imported from it) with a pure-PyTorch MoE that emulates EPFlow's FP8 recipe
 (docs/design/fp8_backward.md) by quantize-dequantize in fp32, each rounding switched on its own:
 
-    x      the routed rows, 1 x 128 blocks (forward GEMMs; the weight gradients read them too)
+    x      the routed rows, 1 x 128 blocks, as the forward GEMMs read them
+    xw     the same rounding of x as d W_gate's and d W_up's operand (off: those read x itself)
     w      the expert weights, 128 x 128 blocks (both layouts: the same blocks)
     h      the down GEMM's input w*h, 1 x 128
     dy     the output gradient, 1 x 128 (dhp GEMM; the weight gradients read it too)
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_moe  # noqa: E402  (the model, teacher, training loop and final-loss rule)
 
-ROUNDINGS = ("x", "w", "h", "dy", "dgu", "wgrad")
+ROUNDINGS = ("x", "xw", "w", "h", "dy", "dgu", "wgrad")
 E4M3_MAX = 448.0
 
 
@@ -82,15 +83,15 @@ class EmulatedFp8Moe(torch.autograd.Function):
             y.index_add_(0, t, quantized(wh, 1, 128, "h" in on) @ wq[2][e].t())
             per_expert.append((t, k, g, u))
         ctx.on, ctx.wq, ctx.per_expert = on, wq, per_expert
-        ctx.save_for_backward(xq, w)
+        ctx.save_for_backward(quantized(x.float(), 1, 128, "xw" in on), w)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        xq, w = ctx.saved_tensors
+        xw, w = ctx.saved_tensors  # x as the weight gradients read it
         on, wq = ctx.on, ctx.wq
         dyq = quantized(dy.float(), 1, 128, "dy" in on)
-        dx = torch.zeros(xq.shape, dtype=torch.float32, device=xq.device)
+        dx = torch.zeros(xw.shape, dtype=torch.float32, device=xw.device)
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         grads = [torch.zeros_like(m) for m in wq]
         fp8_wgrad = "wgrad" in on
@@ -109,7 +110,7 @@ class EmulatedFp8Moe(torch.autograd.Function):
             dx.index_add_(0, t, dgu[:, :i] @ wq[0][e] + dgu[:, i:] @ wq[1][e])
             # Weight gradients: K = the expert's tokens; the bf16 path reads dy and x as pulled
             # (their 1 x 128 roundings) and [dg | du] before its rounding.
-            wh, xe = we * act, xq[t]
+            wh, xe = we * act, xw[t]
             grads[2][e] = quantized(dye, 128, 1, fp8_wgrad).t() @ quantized(wh, 128, 128, fp8_wgrad)
             xk = quantized(xe, 128, 128, fp8_wgrad)
             grads[0][e] = quantized(dg, 128, 1, fp8_wgrad).t() @ xk
