@@ -64,13 +64,20 @@ def quantized(t: torch.Tensor, rows: int, cols: int, on: bool = True) -> torch.T
     return q.view(m + pm, n + pn)[:m, :n]
 
 
+X_BLOCK = {"x": 128}  # --x-block: the forward's x blocks along K (EPFlow's: 128)
+
+
+def ctx_x_block(on) -> int:
+    return X_BLOCK["x"]
+
+
 class EmulatedFp8Moe(torch.autograd.Function):
     """y[t] = sum_k w[t,k] W_down_e (silu(W_gate_e x[t]) * (W_up_e x[t])) with the roundings in
     `on`, forward and backward as EPFlow's FP8 layer computes them (fp32 accumulation)."""
 
     @staticmethod
     def forward(ctx, x, idx, w, w_gate, w_up, w_down, on):
-        xq = quantized(x.float(), 1, 128, "x" in on)
+        xq = quantized(x.float(), 1, ctx_x_block(on), "x" in on)
         wq = [torch.stack([quantized(m[e].float(), 128, 128, "w" in on) for e in range(len(m))])
               for m in (w_gate, w_up, w_down)]
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -203,9 +210,13 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--configs", default="none,all," + ",".join(f"all-{r}" for r in ROUNDINGS),
                     help="comma-separated, or 'every' (also each rounding alone)")
+    ap.add_argument("--x-block", type=int, default=128, choices=(32, 64, 128),
+                    help="the forward's x blocks along K (EPFlow's: 128; 32, 64: what finer "
+                         "blocks would give)")
     ap.add_argument("--first-step-errors", action="store_true",
                     help="only the first step's gradients of each config against the first's")
     args = ap.parse_args()
+    X_BLOCK["x"] = args.x_block
     if torch.cuda.is_available():
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
