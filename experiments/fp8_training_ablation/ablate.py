@@ -67,17 +67,13 @@ def quantized(t: torch.Tensor, rows: int, cols: int, on: bool = True) -> torch.T
 X_BLOCK = {"x": 128}  # --x-block: the forward's x blocks along K (EPFlow's: 128)
 
 
-def ctx_x_block(on) -> int:
-    return X_BLOCK["x"]
-
-
 class EmulatedFp8Moe(torch.autograd.Function):
     """y[t] = sum_k w[t,k] W_down_e (silu(W_gate_e x[t]) * (W_up_e x[t])) with the roundings in
     `on`, forward and backward as EPFlow's FP8 layer computes them (fp32 accumulation)."""
 
     @staticmethod
     def forward(ctx, x, idx, w, w_gate, w_up, w_down, on):
-        xq = quantized(x.float(), 1, ctx_x_block(on), "x" in on)
+        xq = quantized(x.float(), 1, X_BLOCK["x"], "x" in on)
         wq = [torch.stack([quantized(m[e].float(), 128, 128, "w" in on) for e in range(len(m))])
               for m in (w_gate, w_up, w_down)]
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
