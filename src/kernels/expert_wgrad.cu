@@ -307,24 +307,7 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
         ps.next_tile();
       }
       sink.prepare(c, wg - 1, tid);
-      constexpr int kPassBlocks = kTileCols / 8 / Sink::kWritePasses;
-#pragma unroll
-      for (int pass = 0; pass < Sink::kWritePasses; ++pass) {
-        sink.begin(wg - 1, tid);
-        if constexpr (requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); }) {
-          gemm::put_block_pairs(acc, pass * kPassBlocks, (pass + 1) * kPassBlocks,
-                                [&](int j, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
-                                  sink.write_blocks(j, p0, p1, p2, p3);
-                                });
-        } else {
-#pragma unroll
-          for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
-            sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
-            sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
-          }
-        }
-        sink.end(wg - 1, tid);
-      }
+      gemm::write_direct_passes(sink, acc, wg - 1, tid);
     }
     if (tid == 0) ptx::tma_store_wait_all();  // staging must outlive the stores
   }

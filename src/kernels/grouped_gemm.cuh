@@ -563,6 +563,34 @@ __device__ __forceinline__ void put_block_pairs(const float* acc, int from, int 
   }
 }
 
+// A direct sink's writes of a tile's plain accumulators (acc[kTileCols / 2], the warpgroup's 64
+// rows), pass by pass, unrolled, as described above consume_tile: write_blocks by block pairs
+// where the sink has it, else write per block.
+template <class Sink>
+__device__ __forceinline__ void write_direct_passes(Sink& sink, const float* acc, int wg,
+                                                    int tid) {
+  constexpr int kPasses = direct_write_passes<Sink>();
+  constexpr int kPassBlocks = kTileCols / 8 / kPasses;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    sink.begin(wg, tid);
+    if constexpr (requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); }) {
+      static_assert(kPassBlocks % 2 == 0);
+      put_block_pairs(acc, pass * kPassBlocks, (pass + 1) * kPassBlocks,
+                      [&](int j, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
+                        sink.write_blocks(j, p0, p1, p2, p3);
+                      });
+    } else {
+#pragma unroll
+      for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
+        sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
+        sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
+      }
+    }
+    if constexpr (requires { sink.end(wg, tid); }) sink.end(wg, tid);
+  }
+}
+
 // One consumer warpgroup (wg = 0 or 1: rows 64 wg .. 64 wg + 63 of the tile). kFp8KUnroll
 // (Operands::kFP8): the mainloop's K loop unrolled that far. NOTES: unrolled by 4, the standalone
 // FP8 GEMM ran 3.5-6% faster (the next block's stage wait, scale loads and descriptors scheduled
@@ -677,24 +705,7 @@ __device__ __forceinline__ void consume_tile(GemmSmem<kStages, kStaging>& s,
         sink.end(wg, tid);
       }
     } else {
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        sink.begin(wg, tid);
-        if constexpr (requires { sink.write_blocks(0, 0u, 0u, 0u, 0u); }) {
-          static_assert(kPassBlocks % 2 == 0);
-          put_block_pairs(acc, pass * kPassBlocks, (pass + 1) * kPassBlocks,
-                          [&](int j, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
-                            sink.write_blocks(j, p0, p1, p2, p3);
-                          });
-        } else {
-#pragma unroll
-          for (int j = pass * kPassBlocks; j < (pass + 1) * kPassBlocks; ++j) {
-            sink.write(j, 0, acc[4 * j], acc[4 * j + 1]);
-            sink.write(j, 1, acc[4 * j + 2], acc[4 * j + 3]);
-          }
-        }
-        if constexpr (requires { sink.end(wg, tid); }) sink.end(wg, tid);
-      }
+      write_direct_passes(sink, acc, wg, tid);
     }
   } else {
     // Epilogue. NOTES: thread (warp w, lane g*4+q) holds rows w*16+g (+8) and, per n8 block j,
