@@ -185,7 +185,7 @@ def first_step_errors(models: dict, teacher, tokens: int, device) -> None:
 def build(name: str, on, args, teacher, device):
     """train_moe.py's model around EmulatedExperts with the roundings `on`: the same initial
     weights for every config, the router copied from the teacher's."""
-    torch.manual_seed(100)
+    torch.manual_seed(100 + 7919 * args.seed)  # seed 0: train_moe.py's experts
     experts = EmulatedExperts(args.hidden, args.intermediate, args.experts, on, device)
     torch.manual_seed(1)  # the norm and head (train_moe.build_models' seed)
     model = train_moe.Model(args.hidden, args.experts, args.top_k, [experts], device)
@@ -209,6 +209,12 @@ def main() -> int:
     ap.add_argument("--x-block", type=int, default=128, choices=(32, 64, 128),
                     help="the forward's x blocks along K (EPFlow's: 128; 32, 64: what finer "
                          "blocks would give)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="teacher `seed` and the experts' initial weights from 100 + 7919 seed "
+                         "(0: train_moe.py's; horizons.py draws the same)")
+    ap.add_argument("--horizons", default="",
+                    help="comma-separated step counts at which to take the final loss too "
+                         "(constant learning rate: the loss an n-step run would end with)")
     ap.add_argument("--first-step-errors", action="store_true",
                     help="only the first step's gradients of each config against the first's")
     args = ap.parse_args()
@@ -222,7 +228,10 @@ def main() -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     teacher = train_moe.Teacher(args.hidden, args.experts, args.top_k, args.teacher_intermediate,
-                                device)
+                                device, seed=args.seed)
+    horizons = [int(h) for h in args.horizons.split(",")] if args.horizons else []
+    if any(h < train_moe.TAIL or h > args.steps for h in horizons):
+        sys.exit(f"ablate.py: every horizon must be within [{train_moe.TAIL}, --steps]")
     if args.first_step_errors:
         first_step_errors({n: build(n, on, args, teacher, device)
                            for n, on in configs(args.configs).items()}, teacher, args.tokens,
@@ -235,6 +244,10 @@ def main() -> int:
         start = time.time()
         losses, _, _ = train_moe.train({name: model}, teacher, args.steps, args.tokens, args.lr,
                                        1, 0, device, log=lambda s: print(s, flush=True))
+        per_step = torch.stack(losses[name]).tolist()
+        for h in horizons:
+            at = sum(per_step[h - train_moe.TAIL:h]) / train_moe.TAIL
+            print(f"== {name} at step {h}: final loss {at:.5f}", flush=True)
         _, final = train_moe.final_losses(losses, 1)
         results[name] = final[name]
         base = results.get("none")

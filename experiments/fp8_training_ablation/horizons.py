@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""How the FP8 model's loss gap moves as training goes on, with the real layers.
+
+An experiment beside EPFlow, not part of it. For each seed it trains examples/train_moe.py's
+models (imported from it: its teacher, data, AdamW, loss; seed s draws teacher s and the experts'
+initial weights from 100 + 7919 s, seed 0 being the example's own run) for --steps, and takes
+the example's final-loss rule (the mean of the last 20 steps) at each of --horizons: with a
+constant learning rate the loss at step n of a long run is the loss of an n-step run. At the end
+it evaluates each MoE model's weights through both layers on fresh batches:
+
+    bf16 weights, bf16 layer   the bf16 model as trained
+    bf16 weights, FP8 layer    what FP8's rounding alone adds to those weights
+    FP8 weights, FP8 layer     the FP8 model as trained
+    FP8 weights, bf16 layer    whether FP8 training left worse weights, its rounding aside
+
+    python3 experiments/fp8_training_ablation/horizons.py --seeds 0,1,2 --steps 2400 \
+        --horizons 600,1200,1800,2400 [--json OUT.json] [train_moe.py's options]
+
+It needs EPFlow's PyTorch extension (built with -DEPFLOW_BUILD_PYTHON=ON) and one GPU (EP = 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import train_moe  # noqa: E402  (the models, teacher, training loop and final-loss rule)
+
+
+@torch.no_grad()
+def evaluate(model, teacher, tokens: int, device, batches: int = 8) -> float:
+    """The mean loss of `model` on `batches` fresh batches (the same ones for every call)."""
+    data = torch.Generator(device=device).manual_seed(5000)
+    hidden = teacher.head_weight.shape[0]
+    total = 0.0
+    for _ in range(batches):
+        x = torch.randn(tokens, hidden, device=device, generator=data)
+        total += F.mse_loss(model(x), teacher(x)).item()
+    return total / batches
+
+
+def cross_evaluate(models: dict, teacher, tokens: int, device) -> dict:
+    """Each MoE model's final weights through the bf16 and the FP8 layer (the models end with
+    their own weights back)."""
+    bf16, fp8 = models["epflow"], models["epflow-fp8"]
+    own = {name: {k: v.clone() for k, v in m.state_dict().items()}
+           for name, m in (("bf16", bf16), ("fp8", fp8))}
+    out = {}
+    for weights in ("bf16", "fp8"):
+        for layer_name, layer in (("bf16", bf16), ("fp8", fp8)):
+            layer.load_state_dict(own[weights])
+            out[f"{weights} weights, {layer_name} layer"] = evaluate(layer, teacher, tokens, device)
+    bf16.load_state_dict(own["bf16"])
+    fp8.load_state_dict(own["fp8"])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--horizons", default="",
+                    help="comma-separated step counts (default: --steps alone)")
+    ap.add_argument("--json", help="write the results here as well")
+    ours, rest = ap.parse_known_args()
+    args = train_moe.parse_args(rest + ["--dtype", "fp8"])
+    horizons = [int(h) for h in ours.horizons.split(",")] if ours.horizons else [args.steps]
+    if not torch.cuda.is_available():
+        sys.exit("horizons.py: EPFlow needs a CUDA GPU (H100/H200)")
+    if any(h < train_moe.TAIL or h > args.steps for h in horizons):
+        sys.exit(f"horizons.py: every horizon must be within [{train_moe.TAIL}, --steps]")
+    import epflow
+
+    rank, world, device = train_moe.init_distributed()
+    if world != 1:
+        sys.exit("horizons.py: one process (EP = 1)")
+    results = []
+    for seed in (int(s) for s in ours.seeds.split(",")):
+        start = time.time()
+        teacher = train_moe.Teacher(args.hidden, args.experts, args.top_k,
+                                    args.teacher_intermediate, device, seed=seed)
+        torch.manual_seed(100 + 7919 * seed)
+        shape = (args.hidden, args.intermediate, args.experts, args.top_k, args.tokens)
+        moes = [epflow.MoELayer(*shape)]
+        moes_fp8 = [epflow.MoELayer(*shape, dtype="fp8")]
+        models = train_moe.build_models(moes, teacher, args, 1, device, moes_fp8)
+        losses, _, _ = train_moe.train(models, teacher, args.steps, args.tokens, args.lr, 1, 0,
+                                       device, log_every=300, log=lambda s: print(s, flush=True))
+        per_step = {k: torch.stack(v).tolist() for k, v in losses.items()}
+        at = {h: {k: sum(v[h - train_moe.TAIL:h]) / train_moe.TAIL for k, v in per_step.items()}
+              for h in horizons}
+        cross = cross_evaluate(models, teacher, args.tokens, device)
+        results.append({"seed": seed, "final_loss_at": at, "cross_evaluation": cross,
+                        "losses": per_step})
+        print(f"== seed {seed} ({time.time() - start:.0f} s)")
+        for h in horizons:
+            f = at[h]
+            print(f"   step {h:5d}: epflow {f['epflow']:.5f}  epflow-fp8 {f['epflow-fp8']:.5f} "
+                  f"({100 * (f['epflow-fp8'] / f['epflow'] - 1):+.1f}%)  pytorch "
+                  f"{f['pytorch']:.5f} ({100 * (f['pytorch'] / f['epflow'] - 1):+.1f}%)  "
+                  f"linear {f['linear']:.5f}", flush=True)
+        base = cross["bf16 weights, bf16 layer"]
+        for name, loss in cross.items():
+            print(f"   {name}: {loss:.5f} ({100 * (loss / base - 1):+.1f}%)", flush=True)
+        if ours.json:  # after every seed: a run cut short keeps the seeds it finished
+            Path(ours.json).write_text(json.dumps({"args": vars(args), "horizons": horizons,
+                                                   "runs": results}) + "\n")
+        del models, moes, moes_fp8
+        epflow.release_handles()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
