@@ -15,8 +15,10 @@ it evaluates each MoE model's weights through both layers on fresh batches:
 
     python3 experiments/fp8_training_ablation/horizons.py --seeds 0,1,2 --steps 2400 \
         --horizons 600,1200,1800,2400 [--json OUT.json] [train_moe.py's options]
+    python3 experiments/fp8_training_ablation/horizons.py --table OUT.json
 
-It needs EPFlow's PyTorch extension (built with -DEPFLOW_BUILD_PYTHON=ON) and one GPU (EP = 1).
+It needs EPFlow's PyTorch extension (built with -DEPFLOW_BUILD_PYTHON=ON) and one GPU (EP = 1);
+the second form (markdown tables of a saved run) needs neither, only PyTorch.
 """
 from __future__ import annotations
 
@@ -62,13 +64,48 @@ def cross_evaluate(models: dict, teacher, tokens: int, device) -> dict:
     return out
 
 
+def tables(path: str) -> None:
+    """Markdown tables of a saved run: the FP8 model's and the PyTorch model's final loss
+    against the bf16 EPFlow model's at each horizon and seed, then the cross-evaluation."""
+    saved = json.loads(Path(path).read_text())
+    runs = saved["runs"]
+    seeds = [r["seed"] for r in runs]
+    print("| steps | " + " | ".join(f"seed {s}: bf16 / FP8 (gap) / PyTorch (gap)" for s in seeds)
+          + " | mean FP8 gap |")
+    print("|---:|" + "---|" * len(seeds) + "---:|")
+    for h in saved["horizons"]:
+        cells, gaps = [], []
+        for r in runs:
+            f = r["final_loss_at"][str(h)]
+            gap = 100 * (f["epflow-fp8"] / f["epflow"] - 1)
+            gaps.append(gap)
+            cells.append(f"{f['epflow']:.5f} / {f['epflow-fp8']:.5f} ({gap:+.1f}%) / "
+                         f"{f['pytorch']:.5f} ({100 * (f['pytorch'] / f['epflow'] - 1):+.1f}%)")
+        print(f"| {h} | " + " | ".join(cells) + f" | {sum(gaps) / len(gaps):+.1f}% |")
+    print()
+    names = list(runs[0]["cross_evaluation"])
+    print("| weights, layer | " + " | ".join(f"seed {s}" for s in seeds) + " |")
+    print("|---|" + "---:|" * len(seeds))
+    for name in names:
+        cells = []
+        for r in runs:
+            c = r["cross_evaluation"]
+            base = c["bf16 weights, bf16 layer"]
+            cells.append(f"{c[name]:.5f} ({100 * (c[name] / base - 1):+.1f}%)")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--table", metavar="JSON", help="print a saved run's tables and exit")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--horizons", default="",
                     help="comma-separated step counts (default: --steps alone)")
     ap.add_argument("--json", help="write the results here as well")
     ours, rest = ap.parse_known_args()
+    if ours.table:
+        tables(ours.table)
+        return 0
     args = train_moe.parse_args(rest + ["--dtype", "fp8"])
     horizons = [int(h) for h in ours.horizons.split(",")] if ours.horizons else [args.steps]
     if not torch.cuda.is_available():
