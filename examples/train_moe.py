@@ -59,7 +59,9 @@ Rules (checked at the end; each failure prints "FAILED: rule ..." with its value
   4 fp8        (--dtype fp8) The FP8 model's final loss is within 5% of the bf16 EPFlow model's
                (AGREE_TOL) and, by rule 2, at most 0.25 times the linear model's. Its first-step
                gradients against the PyTorch layer's are printed, not judged: FP8 rounds x, the
-               weights, h, dy and [dg | du] to 3 mantissa bits (errors of several percent).
+               weights, h, dy and [dg | du] to 3 mantissa bits (errors of several percent); so
+               are the final weights of both EPFlow models run through both layers (what FP8's
+               rounding alone adds at that loss, and the fit FP8 training reached without it).
 It prints the three models' losses as they train, the gradient check's result, the final losses
 and their ratios, and tokens/s of each MoE model's training step (forward + backward + optimizer,
 CUDA events, the models alternating every step). The constants below say why these bounds.
@@ -389,22 +391,29 @@ def check_rules(grad_failures: list, final: dict, learn_ratio: float = LEARN_RAT
 
 
 @torch.no_grad()
-def fp8_rounding_floor(models: dict, teacher: Teacher, tokens: int, rank: int, world: int,
-                       device: torch.device, batches: int = 8):
-    """(bf16 loss, FP8 loss) of the bf16 EPFlow model's final weights, run as they are and
-    through the FP8 layer (its weights overwritten with them), on fresh batches, averaged over
-    the ranks: what FP8's rounding alone adds to the loss at this point of training."""
-    fp8, bf16 = models["epflow-fp8"], models["epflow"]
-    fp8.load_state_dict(bf16.state_dict())
-    data = torch.Generator(device=device).manual_seed(5000 + rank)
+def cross_evaluate(models: dict, teacher: Teacher, tokens: int, rank: int, world: int,
+                   device: torch.device, batches: int = 8) -> dict:
+    """The bf16 and the FP8 EPFlow model's final weights, each run through both layers (the
+    other model's weights loaded into it), on the same fresh batches, averaged over the ranks:
+    "<weights> weights, <layer> layer" -> loss. The bf16 weights through the FP8 layer: what
+    FP8's rounding alone adds at this loss; the FP8 weights through the bf16 layer: the fit that
+    training in FP8 reached, that rounding aside. The models end with their own weights."""
+    layers = {"bf16": models["epflow"], "fp8": models["epflow-fp8"]}
+    own = {k: {n: t.clone() for n, t in m.state_dict().items()} for k, m in layers.items()}
     hidden = teacher.head_weight.shape[0]
-    sums = torch.zeros(2, device=device)
-    for _ in range(batches):
-        x = torch.randn(tokens, hidden, device=device, generator=data)
-        target = teacher(x)
-        sums += torch.stack([F.mse_loss(bf16(x), target), F.mse_loss(fp8(x), target)])
+    names = [(w, l) for w in layers for l in layers]
+    sums = torch.zeros(len(names), device=device)
+    for i, (weights, layer) in enumerate(names):
+        layers[layer].load_state_dict(own[weights])
+        data = torch.Generator(device=device).manual_seed(5000 + rank)  # the same batches
+        for _ in range(batches):
+            x = torch.randn(tokens, hidden, device=device, generator=data)
+            sums[i] += F.mse_loss(layers[layer](x), teacher(x))
+    for k, m in layers.items():
+        m.load_state_dict(own[k])
     dist.all_reduce(sums)
-    return tuple((sums / (batches * world)).tolist())
+    return {f"{w} weights, {l} layer": v
+            for (w, l), v in zip(names, (sums / (batches * world)).tolist())}
 
 
 def build_models(moes: list, teacher: Teacher, args, world: int, device: torch.device,
@@ -511,8 +520,8 @@ def run(args, moes: list, teacher: Teacher, rank: int, world: int,
             t = torch.tensor(ms[len(ms) // 2], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
             tps[name] = world * args.tokens / (t.item() * 1e-3)
-    floor = (fp8_rounding_floor(models, teacher, args.tokens, rank, world, device)
-             if "epflow-fp8" in models and device.type == "cuda" else None)
+    cross = (cross_evaluate(models, teacher, args.tokens, rank, world, device)
+             if "epflow-fp8" in models else None)
     if rank == 0:
         for r, (line, bad) in enumerate(per_rank):
             print(f"gradient check, step 0{f', rank {r}' if world > 1 else ''} (EPFlow's "
@@ -531,11 +540,14 @@ def run(args, moes: list, teacher: Teacher, rank: int, world: int,
             print(f"fp8: final loss / the linear model's {final['epflow-fp8'] / final['linear']:.3f}"
                   f"; {100 * abs(final['epflow-fp8'] - final['epflow']) / final['epflow']:.2f}% "
                   f"from the bf16 EPFlow model's (rule 4: at most {100 * AGREE_TOL:g}%)")
-            if floor:
-                print(f"fp8: the bf16 EPFlow model's final weights through the FP8 layer: loss "
-                      f"{floor[1]:.5f} against {floor[0]:.5f} in bf16 "
-                      f"({100 * (floor[1] / floor[0] - 1):+.1f}%): what FP8's rounding alone "
-                      f"adds at this loss, training aside")
+            c = {k: (v, 100 * (v / cross["bf16 weights, bf16 layer"] - 1))
+                 for k, v in cross.items()}
+            print("fp8: the final weights through both layers (fresh batches): bf16 weights "
+                  "{:.5f} in bf16, {:.5f} ({:+.1f}%) through the FP8 layer (FP8's rounding "
+                  "alone); FP8 weights {:.5f} ({:+.1f}%) in bf16 (the fit FP8 training reached), "
+                  "{:.5f} ({:+.1f}%) through the FP8 layer".format(
+                      c["bf16 weights, bf16 layer"][0], *c["bf16 weights, fp8 layer"],
+                      *c["fp8 weights, bf16 layer"], *c["fp8 weights, fp8 layer"]))
         if tps:
             print(f"tokens/s (median training step, {world} GPU{'s' if world > 1 else ''}): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in tps.items())

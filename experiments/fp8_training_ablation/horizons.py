@@ -30,38 +30,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_moe  # noqa: E402  (the models, teacher, training loop and final-loss rule)
-
-
-@torch.no_grad()
-def evaluate(model, teacher, tokens: int, device, batches: int = 8) -> float:
-    """The mean loss of `model` on `batches` fresh batches (the same ones for every call)."""
-    data = torch.Generator(device=device).manual_seed(5000)
-    hidden = teacher.head_weight.shape[0]
-    total = 0.0
-    for _ in range(batches):
-        x = torch.randn(tokens, hidden, device=device, generator=data)
-        total += F.mse_loss(model(x), teacher(x)).item()
-    return total / batches
-
-
-def cross_evaluate(models: dict, teacher, tokens: int, device) -> dict:
-    """Each MoE model's final weights through the bf16 and the FP8 layer (the models end with
-    their own weights back)."""
-    bf16, fp8 = models["epflow"], models["epflow-fp8"]
-    own = {name: {k: v.clone() for k, v in m.state_dict().items()}
-           for name, m in (("bf16", bf16), ("fp8", fp8))}
-    out = {}
-    for weights in ("bf16", "fp8"):
-        for layer_name, layer in (("bf16", bf16), ("fp8", fp8)):
-            layer.load_state_dict(own[weights])
-            out[f"{weights} weights, {layer_name} layer"] = evaluate(layer, teacher, tokens, device)
-    bf16.load_state_dict(own["bf16"])
-    fp8.load_state_dict(own["fp8"])
-    return out
 
 
 def tables(path: str) -> None:
@@ -132,7 +103,7 @@ def main() -> int:
         per_step = {k: torch.stack(v).tolist() for k, v in losses.items()}
         at = {h: {k: sum(v[h - train_moe.TAIL:h]) / train_moe.TAIL for k, v in per_step.items()}
               for h in horizons}
-        cross = cross_evaluate(models, teacher, args.tokens, device)
+        cross = train_moe.cross_evaluate(models, teacher, args.tokens, 0, 1, device)
         results.append({"seed": seed, "final_loss_at": at, "cross_evaluation": cross,
                         "losses": per_step})
         print(f"== seed {seed} ({time.time() - start:.0f} s)")
