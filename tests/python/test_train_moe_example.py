@@ -172,6 +172,60 @@ def test_rules():
     assert [b.split(":")[0] for b in nan] == ["rule 2 (learning)", "rule 4 (fp8)"]
 
 
+class _ScaledStandIn(StandInMoELayer):
+    """A stand-in whose output is scaled: a layer that computes a different function from the
+    same weights (as the FP8 layer rounds), for cross_evaluate."""
+
+    def __init__(self, *args, scale=1.0):
+        super().__init__(*args)
+        self.scale = scale
+
+    def forward(self, x, topk_idx, topk_weights):
+        return super().forward(x, topk_idx, topk_weights) * self.scale
+
+
+def test_cross_evaluate_runs_each_models_weights_through_both_layers():
+    # Two models of different weights ("epflow", "epflow-fp8") whose layers compute different
+    # functions: each weights-layer pair's loss is that of the layer's model holding those
+    # weights, and both models end with their own weights.
+    args = tm.parse_args(TINY)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        teacher = tm.Teacher(args.hidden, args.experts, args.top_k, args.teacher_intermediate,
+                             cpu)
+        shape = (args.hidden, args.intermediate, args.experts)
+        torch.manual_seed(100)
+        moes = [StandInMoELayer(*shape)]
+        moes_fp8 = [_ScaledStandIn(*shape, scale=0.5)]
+        models = tm.build_models(moes, teacher, args, 1, cpu, moes_fp8)
+        with torch.no_grad():  # the "FP8" model's weights differ from the bf16 one's
+            models["epflow-fp8"].blocks[0].experts.w_down.mul_(-1)
+        before = {k: {n: t.clone() for n, t in models[k].state_dict().items()}
+                  for k in ("epflow", "epflow-fp8")}
+        got = tm.cross_evaluate(models, teacher, 256, 0, 1, cpu, batches=2)
+        for k in before:  # cross_evaluate left each model its own weights
+            for n, t in models[k].state_dict().items():
+                assert torch.equal(t, before[k][n]), (k, n)
+
+        def loss(model, weights):
+            model.load_state_dict(before[weights])
+            data = torch.Generator().manual_seed(5000)
+            total = 0.0
+            for _ in range(2):
+                x = torch.randn(256, args.hidden, generator=data)
+                total += torch.nn.functional.mse_loss(model(x), teacher(x)).item()
+            return total / 2
+
+        for weights, wname in (("epflow", "bf16"), ("epflow-fp8", "fp8")):
+            for layer, lname in (("epflow", "bf16"), ("epflow-fp8", "fp8")):
+                want = loss(models[layer], weights)
+                assert math.isclose(got[f"{wname} weights, {lname} layer"], want, rel_tol=1e-5)
+        assert len({round(v, 6) for v in got.values()}) == 4, got  # four different functions
+    finally:
+        dist.destroy_process_group()
+
+
 # --- the whole example, tiny, on the CPU -------------------------------------------------
 
 def test_example_passes_with_a_correct_layer(capsys):
