@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_moe  # noqa: E402  (the model, teacher, training loop and final-loss rule)
+from common import experts_seed, final_loss_at, parse_horizons  # noqa: E402
 
 ROUNDINGS = ("x", "xw", "w", "h", "dy", "dgu", "wgrad")
 E4M3_MAX = 448.0
@@ -185,7 +186,7 @@ def first_step_errors(models: dict, teacher, tokens: int, device) -> None:
 def build(name: str, on, args, teacher, device):
     """train_moe.py's model around EmulatedExperts with the roundings `on`: the same initial
     weights for every config, the router copied from the teacher's."""
-    torch.manual_seed(100 + 7919 * args.seed)  # seed 0: train_moe.py's experts
+    torch.manual_seed(experts_seed(args.seed))
     experts = EmulatedExperts(args.hidden, args.intermediate, args.experts, on, device)
     torch.manual_seed(1)  # the norm and head (train_moe.build_models' seed)
     model = train_moe.Model(args.hidden, args.experts, args.top_k, [experts], device)
@@ -229,9 +230,7 @@ def main() -> int:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     teacher = train_moe.Teacher(args.hidden, args.experts, args.top_k, args.teacher_intermediate,
                                 device, seed=args.seed)
-    horizons = [int(h) for h in args.horizons.split(",")] if args.horizons else []
-    if any(h < train_moe.TAIL or h > args.steps for h in horizons):
-        sys.exit(f"ablate.py: every horizon must be within [{train_moe.TAIL}, --steps]")
+    horizons = parse_horizons(args.horizons, args.steps, "ablate.py")
     if args.first_step_errors:
         first_step_errors({n: build(n, on, args, teacher, device)
                            for n, on in configs(args.configs).items()}, teacher, args.tokens,
@@ -246,8 +245,8 @@ def main() -> int:
                                        1, 0, device, log=lambda s: print(s, flush=True))
         per_step = torch.stack(losses[name]).tolist()
         for h in horizons:
-            at = sum(per_step[h - train_moe.TAIL:h]) / train_moe.TAIL
-            print(f"== {name} at step {h}: final loss {at:.5f}", flush=True)
+            print(f"== {name} at step {h}: final loss {final_loss_at(per_step, h):.5f}",
+                  flush=True)
         _, final = train_moe.final_losses(losses, 1)
         results[name] = final[name]
         base = results.get("none")

@@ -10,8 +10,8 @@ it evaluates each MoE model's weights through both layers on fresh batches:
 
     bf16 weights, bf16 layer   the bf16 model as trained
     bf16 weights, FP8 layer    what FP8's rounding alone adds to those weights
-    FP8 weights, FP8 layer     the FP8 model as trained
     FP8 weights, bf16 layer    whether FP8 training left worse weights, its rounding aside
+    FP8 weights, FP8 layer     the FP8 model as trained
 
     python3 experiments/fp8_training_ablation/horizons.py --seeds 0,1,2 --steps 2400 \
         --horizons 600,1200,1800,2400 [--json OUT.json] [train_moe.py's options]
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_moe  # noqa: E402  (the models, teacher, training loop and final-loss rule)
+from common import experts_seed, final_loss_at, parse_horizons  # noqa: E402
 
 
 def tables(path: str) -> None:
@@ -78,11 +79,9 @@ def main() -> int:
         tables(ours.table)
         return 0
     args = train_moe.parse_args(rest + ["--dtype", "fp8"])
-    horizons = [int(h) for h in ours.horizons.split(",")] if ours.horizons else [args.steps]
+    horizons = parse_horizons(ours.horizons, args.steps, "horizons.py") or [args.steps]
     if not torch.cuda.is_available():
         sys.exit("horizons.py: EPFlow needs a CUDA GPU (H100/H200)")
-    if any(h < train_moe.TAIL or h > args.steps for h in horizons):
-        sys.exit(f"horizons.py: every horizon must be within [{train_moe.TAIL}, --steps]")
     import epflow
 
     rank, world, device = train_moe.init_distributed()
@@ -93,7 +92,7 @@ def main() -> int:
         start = time.time()
         teacher = train_moe.Teacher(args.hidden, args.experts, args.top_k,
                                     args.teacher_intermediate, device, seed=seed)
-        torch.manual_seed(100 + 7919 * seed)
+        torch.manual_seed(experts_seed(seed))
         shape = (args.hidden, args.intermediate, args.experts, args.top_k, args.tokens)
         moes = [epflow.MoELayer(*shape)]
         moes_fp8 = [epflow.MoELayer(*shape, dtype="fp8")]
@@ -101,8 +100,7 @@ def main() -> int:
         losses, _, _ = train_moe.train(models, teacher, args.steps, args.tokens, args.lr, 1, 0,
                                        device, log_every=300, log=lambda s: print(s, flush=True))
         per_step = {k: torch.stack(v).tolist() for k, v in losses.items()}
-        at = {h: {k: sum(v[h - train_moe.TAIL:h]) / train_moe.TAIL for k, v in per_step.items()}
-              for h in horizons}
+        at = {h: {k: final_loss_at(v, h) for k, v in per_step.items()} for h in horizons}
         cross = train_moe.cross_evaluate(models, teacher, args.tokens, 0, 1, device)
         results.append({"seed": seed, "final_loss_at": at, "cross_evaluation": cross,
                         "losses": per_step})
