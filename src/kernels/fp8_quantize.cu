@@ -232,7 +232,8 @@ __global__ void __launch_bounds__(kBlockThreads, 5)
 }
 
 // 16 e4m3 values of one block (a 16-byte load) times its scale, rounded to bf16: two 16-byte
-// words of 8 bf16 each, out[0] the first 8.
+// words of 8 bf16 each, out[0] the first 8. NOTES: one conversion instruction per two bytes
+// (e4m3x2 to f16x2, exact): the same values as fp8::to_float byte by byte, which converts one.
 __device__ void dequantize_16(uint4 q, float scale, uint4* out) {
   const uint32_t words[4] = {q.x, q.y, q.z, q.w};
   uint32_t pairs[8];
@@ -240,9 +241,10 @@ __device__ void dequantize_16(uint4 q, float scale, uint4* out) {
   for (int w = 0; w < 4; ++w)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float v0 = fp8::to_float(static_cast<uint8_t>(words[w] >> (16 * h))) * scale;
-      const float v1 = fp8::to_float(static_cast<uint8_t>(words[w] >> (16 * h + 8))) * scale;
-      const __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+      const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * h)), __NV_E4M3);
+      const float2 f = __half22float2(__half2(raw));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
       pairs[2 * w + h] = *reinterpret_cast<const uint32_t*>(&b);
     }
   out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
@@ -313,73 +315,93 @@ struct PackedRows {
 };
 
 // One CTA per 128 x 128 tile of x (rows r0.., columns c0..): the tile through shared memory;
-// thread t takes column c0 + t % 128, rows t / 128 * 64 .. + 63: the amax of its 64 values, then
-// the column's (k128x1) or the tile's (k128x128) through shared memory, then its 64 e4m3 bytes.
-// NOTES: the bytes go out through shared memory, transposed row c of q as whole 128-byte lines
-// (a warp stores four): each thread storing its own 64 bytes to its own row wrote half-sectors,
-// and holding its 64 values in registers (rather than reading the tile twice) left two CTAs per
-// SM; both kept the kernel latency-bound far below the HBM rate.
+// thread t takes columns 2p, 2p + 1 (p = t % 64) of rows 32 (t / 64) .. + 31, one 4-byte shared
+// load per row for both, kept in registers: their magnitudes' packed bf16 maximum (exact, a NaN
+// winning as fp8::amax_nan's), the columns' (k128x1) or the tile's (k128x128) amax through
+// shared memory, then the 64 values' e4m3 bytes. NOTES: the bytes go out through shared memory,
+// transposed row c of q as whole 128-byte lines (a warp stores four): each thread storing its
+// own bytes to its own row wrote half-sectors. A thread per column, reading the tile twice (for
+// the amax, then the values) two bytes per shared load, issued about twice the shared loads and
+// conversions; the pass runs well below the HBM rate, partly held by them (docs/benchmarks.md).
 template <TransposedScaling kScaling, typename Source>
 __global__ void __launch_bounds__(kBlockThreads, 4)  // four tiles (52 KB of shared memory) per SM
     quantize_transposed_kernel(Source source, int64_t max_rows, const int64_t* rows_on_device,
                                bool pow2, uint8_t* q, float* block_scales) {
   constexpr int kB = fp8::kBlock, kChunks = kB / 16;  // 16-byte chunks of a 128-byte row
+  constexpr int kQuarters = kBlockThreads / (kB / 2), kRows = kB / kQuarters;
+  static_assert(kRows == 32, "a thread's 32 rows: two 16-byte chunks of each of its columns");
   const int64_t r0 = int64_t{blockIdx.y} * kB, c0 = int64_t{blockIdx.x} * kB;
   if (r0 >= *rows_on_device) return;
   __shared__ alignas(16) __nv_bfloat16 tile[kB][kTileLd];
-  // The e4m3 tile transposed: row c's chunk k at out[c][k ^ c % 8] (the swizzle spreads a
-  // quarter-warp's rows over the banks).
+  // The e4m3 tile transposed: row c's chunk k at out[c][k ^ (c / 2) % 8] (the swizzle spreads
+  // both a quarter-warp's stores, eight even or odd rows, and its loads over the banks).
   __shared__ uint4 out[kB][kChunks];
-  __shared__ float amax_of[2][kB];
+  __shared__ float amax_of[kQuarters][kB];
   source.load(tile, r0, c0);
   __syncthreads();
-  const int col = threadIdx.x % kB, half = threadIdx.x / kB;
-  float m = 0.0f;
-#pragma unroll 16
-  for (int i = 0; i < kB / 2; ++i)
-    m = fp8::amax_nan(m, fabsf(__bfloat162float(tile[half * kB / 2 + i][col])));
-  amax_of[half][col] = m;
+  const int pair = threadIdx.x % (kB / 2), quarter = threadIdx.x / (kB / 2);
+  __nv_bfloat162 v[kRows];
+  __nv_bfloat162 m2 = __float2bfloat162_rn(0.0f);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    v[i] = *reinterpret_cast<const __nv_bfloat162*>(&tile[quarter * kRows + i][2 * pair]);
+    m2 = __hmax2_nan(m2, __habs2(v[i]));
+  }
+  amax_of[quarter][2 * pair] = __low2float(m2);
+  amax_of[quarter][2 * pair + 1] = __high2float(m2);
   __syncthreads();
+  float scale[2];
   if constexpr (kScaling == TransposedScaling::k128x1) {
-    m = fp8::amax_nan(amax_of[0][col], amax_of[1][col]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = 2 * pair + h;
+      scale[h] = fp8::block_scale(fp8::amax_nan(fp8::amax_nan(amax_of[0][col], amax_of[1][col]),
+                                                fp8::amax_nan(amax_of[2][col], amax_of[3][col])),
+                                  pow2);
+    }
   } else {
-    if (threadIdx.x < 32) {  // the tile's amax: a warp over the 256 partial ones
+    if (threadIdx.x < 32) {  // the tile's amax: a warp over the partial ones
       float t = 0.0f;
-      for (int i = threadIdx.x; i < 2 * kB; i += 32) t = fp8::amax_nan(t, amax_of[i / kB][i % kB]);
+      for (int i = threadIdx.x; i < kQuarters * kB; i += 32)
+        t = fp8::amax_nan(t, amax_of[i / kB][i % kB]);
       for (int off = 16; off > 0; off /= 2) t = fp8::amax_nan(t, __shfl_xor_sync(0xffffffffu, t, off));
       if (threadIdx.x == 0) amax_of[0][0] = t;
     }
     __syncthreads();
-    m = amax_of[0][0];
+    scale[0] = scale[1] = fp8::block_scale(amax_of[0][0], pow2);
   }
-  const float scale = fp8::block_scale(m, pow2);
+  // Column 2 pair + h's bytes of rows 32 quarter + 4 g .. + 3: word g % 4 of chunk 2 quarter + g / 4.
 #pragma unroll
-  for (int chunk = 0; chunk < kChunks / 2; ++chunk) {
-    uint32_t word[4];
+  for (int h = 0; h < 2; ++h) {
+    const int col = 2 * pair + h;
+    uint32_t word[kRows / 4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float v[4];
+    for (int g = 0; g < kRows / 4; ++g) {
+      float f[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        v[j] = __bfloat162float(tile[half * kB / 2 + chunk * 16 + k * 4 + j][col]);
-      word[k] = fp8::quantize_quad(v, scale);
+      for (int j = 0; j < 4; ++j) f[j] = h ? __high2float(v[4 * g + j]) : __low2float(v[4 * g + j]);
+      word[g] = fp8::quantize_quad(f, scale[h]);
     }
-    out[col][(half * kChunks / 2 + chunk) ^ (col % 8)] =
-        make_uint4(word[0], word[1], word[2], word[3]);
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      out[col][(2 * quarter + k) ^ (col / 2 % 8)] =
+          make_uint4(word[4 * k], word[4 * k + 1], word[4 * k + 2], word[4 * k + 3]);
   }
   const int64_t row_bytes =
       kScaling == TransposedScaling::k128x1 ? fp8::packed_row_bytes(max_rows) : max_rows;
   if constexpr (kScaling == TransposedScaling::k128x1) {
-    if (half == 0)
-      reinterpret_cast<float*>(q + (c0 + col) * row_bytes + max_rows)[r0 / kB] = scale;
+    if (quarter == 0)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        reinterpret_cast<float*>(q + (c0 + 2 * pair + h) * row_bytes + max_rows)[r0 / kB] = scale[h];
   } else {
-    if (threadIdx.x == 0) block_scales[(c0 / kB) * (max_rows / kB) + r0 / kB] = scale;
+    if (threadIdx.x == 0) block_scales[(c0 / kB) * (max_rows / kB) + r0 / kB] = scale[0];
   }
   __syncthreads();
 #pragma unroll
   for (int l = 0; l < kB * kChunks / kBlockThreads; ++l) {
     const int i = l * kBlockThreads + threadIdx.x, c = i / kChunks, k = i % kChunks;
-    reinterpret_cast<uint4*>(q + (c0 + c) * row_bytes + r0)[k] = out[c][k ^ (c % 8)];
+    reinterpret_cast<uint4*>(q + (c0 + c) * row_bytes + r0)[k] = out[c][k ^ (c / 2 % 8)];
   }
 }
 
