@@ -5,19 +5,17 @@ weight-gradient stage (µs), as markdown. Usage: summarize.py OUTPUT.txt [...]""
 import re
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ab_output import tagged_lines  # noqa: E402
 
 
 def parse(path):
     runs = defaultdict(list)  # (variant, tokens, dtype, quantity) -> values
-    variant = tokens = dtype = None
-    for line in open(path):
-        if line.startswith("== ncu"):
-            break
-        if m := re.match(r"== (\w+), round", line):
-            variant = m.group(1)
-        elif m := re.match(r"\S+ \(H .*?\), (\d+) tokens/rank", line):
-            tokens = int(m.group(1))
-        elif m := re.match(r"\s+(epflow-fp8|epflow) backward\s+([\d.]+)", line):
+    dtype = None
+    for variant, tokens, line in tagged_lines(path, "== ncu"):
+        if m := re.match(r"\s+(epflow-fp8|epflow) backward\s+([\d.]+)", line):
             dtype = "FP8" if m.group(1) == "epflow-fp8" else "bf16"
             runs[(variant, tokens, dtype, "backward")].append(float(m.group(2)))
         elif m := re.search(r"megakernel \(dy[^)]*\) ([\d.]+);.*weight gradients ([\d.]+)", line):

@@ -7,6 +7,10 @@ epilogue). Usage: summarize.py OUTPUT.txt"""
 import re
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ab_output import tagged_lines  # noqa: E402
 
 STEP = re.compile(r"\s+(epflow-fp8|epflow) training step\s+([\d.]+)\s+[\d.]+\s+\((.*)\)")
 PART = re.compile(r"(weight re-quantization|forward keeping g\|u|backward) ([\d.]+)")
@@ -14,15 +18,9 @@ PART = re.compile(r"(weight re-quantization|forward keeping g\|u|backward) ([\d.
 
 def parse(path):
     runs = defaultdict(list)  # (variant, tokens, quantity) -> values
-    variant = tokens = system = None
-    for line in open(path):
-        if line.startswith("== clocks"):
-            break
-        if m := re.match(r"== (\w+), round", line):
-            variant = m.group(1)
-        elif m := re.match(r"\S+ \(H .*?\), (\d+) tokens/rank", line):
-            tokens = int(m.group(1))
-        elif m := re.match(r"\s+(epflow-fp8|epflow) backward\s+([\d.]+)", line):
+    system = None
+    for variant, tokens, line in tagged_lines(path, "== clocks"):
+        if m := re.match(r"\s+(epflow-fp8|epflow) backward\s+([\d.]+)", line):
             system = m.group(1)
             if system == "epflow-fp8":
                 runs[(variant, tokens, "backward alone")].append(float(m.group(2)))
