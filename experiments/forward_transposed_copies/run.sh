@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds epflow-bench and the FP8 tests from the tree as it is (base) and with
+# forward_writes_transposed.patch (in /tmp/ftc_NAME), runs the FP8 layer tests on the patched
+# build (a wrong copy shows in the backward's gradients), then times the FP8 and bf16 training
+# steps of both at DeepSeek-V3, 512 / 2048 / 8192 tokens, one process per token count, three
+# rounds in alternating order; tables by experiments/step_ceilings/summarize.py. Run from the
+# repository root on a GPU machine (GoogleTest in .deps/googletest, as for scripts/build.sh).
+set -uo pipefail
+here=experiments/forward_transposed_copies
+export VARIANT_TESTS="test_layer_backward_gpu test_fp8_quantize_gpu"
+source experiments/build_variants.sh
+build_variants $here /tmp/ftc base forward_writes_transposed || exit 1
+echo "built at ${SECONDS}s"
+t=/tmp/ftc_forward_writes_transposed/build/tests
+timeout 60 $t/test_fp8_quantize_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
+timeout 300 $t/test_layer_backward_gpu --gtest_filter='*Fp8*Ep1' 2>&1 |
+  grep -E "^\[  (PASSED|FAILED|  OK) |^\[       OK|FAILED|Failure"
+echo "tests done at ${SECONDS}s"
+pattern="tokens/rank|backward  |its stages|training step|FP8 over"
+for tokens in ${TOKENS:-512 2048 8192}; do
+  for round in 1 2 3; do
+    order="base forward_writes_transposed"
+    [ $round = 2 ] && order="forward_writes_transposed base"
+    for v in $order; do
+      echo "== $v, round $round"
+      /tmp/ftc_$v/build/epflow-bench --dtype fp8 --backward --tokens $tokens --warmup 5 --iters 10 \
+        --settle-ms 500 --baselines none | grep -E "$pattern"
+    done
+  done
+done
