@@ -37,8 +37,9 @@ def quarter(half, wg, rng):
                 cd01, cd23 = byte_perm(x[2], x[3], 0x5140), byte_perm(x[2], x[3], 0x7362)
                 o[lane] = [byte_perm(ab01, cd01, 0x5410), byte_perm(ab01, cd01, 0x7632),
                            byte_perm(ab23, cd23, 0x5410), byte_perm(ab23, cd23, 0x7632)]
-            row = {lane: [0] * 4 for lane in range(32)}
-            for r in range(4):  # __shfl_xor_sync(.., send, 8 r): lane (a, b) <-> (a ^ r, b)
+            row = {lane: [o[lane][i] if i == lane // 8 else 0 for i in range(4)]
+                   for lane in range(32)}
+            for r in range(1, 4):  # __shfl_xor_sync(.., send, 8 r): lane (a, b) <-> (a ^ r, b)
                 send = {lane: o[lane][(lane // 8) ^ r] for lane in range(32)}
                 for lane in range(32):
                     row[lane][(lane // 8) ^ r] = send[lane ^ (8 * r)]
