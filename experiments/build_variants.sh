@@ -5,8 +5,9 @@
 # VARIANT_TESTS="test_a test_b": those GPU tests are built too (GoogleTest from
 # .deps/googletest, as scripts/build.sh takes it on the GPU machine).
 # time_variants PREFIX TOKENS PATTERN VARIANT... then times each variant's FP8 (and bf16) backward
-# with epflow-bench at TOKENS, two rounds, the second in reverse order, keeping the lines that
-# match PATTERN.
+# with epflow-bench at TOKENS, two rounds (ROUNDS), the even ones in reverse order, keeping the
+# lines that match PATTERN; PER_TOKEN_PROCESS=1: a process per token count; MARKS=FILE: a
+# "VARIANT TOKENS ROUND begin|end SECONDS" line around each run (bench/clock_windows.py's marks).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_ROOT=${NCCL_ROOT:-$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')}
 build_variants() {
@@ -31,14 +32,22 @@ build_variants() {
 }
 
 time_variants() {
-  local prefix=$1 tokens=$2 pattern=$3 round v order
+  local prefix=$1 tokens=$2 pattern=$3 round v order t
   shift 3
-  for round in 1 2; do
-    order="$*"; [ $round = 2 ] && order=$(echo "$@" | tr ' ' '\n' | tac | tr '\n' ' ')
-    for v in $order; do
-      echo "== $v, round $round"
-      ${prefix}_$v/build/epflow-bench --dtype fp8 --backward --tokens $tokens --warmup 5 --iters 10 \
-        --settle-ms 500 --baselines none | grep -E "$pattern"
+  # Token counts in one process each (PER_TOKEN_PROCESS=1, outermost) or all in one.
+  local groups=$tokens
+  [ -n "${PER_TOKEN_PROCESS:-}" ] && groups=$(echo $tokens | tr ',' ' ')
+  for t in $groups; do
+    for round in $(seq 1 ${ROUNDS:-2}); do
+      order="$*"; [ $((round % 2)) = 0 ] && order=$(echo "$@" | tr ' ' '\n' | tac | tr '\n' ' ')
+      for v in $order; do
+        [ -x ${prefix}_$v/build/epflow-bench ] || { echo "== $v: no build"; continue; }
+        echo "== $v, round $round"
+        [ -n "${MARKS:-}" ] && echo "$v $t $round begin $(date +%s.%N)" >> $MARKS
+        ${prefix}_$v/build/epflow-bench --dtype fp8 --backward --tokens $t --warmup 5 --iters 10 \
+          --settle-ms 500 --baselines none | grep -E "$pattern"
+        [ -n "${MARKS:-}" ] && echo "$v $t $round end $(date +%s.%N)" >> $MARKS
+      done
     done
   done
 }

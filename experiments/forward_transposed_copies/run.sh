@@ -16,15 +16,5 @@ timeout 60 $t/test_fp8_quantize_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failur
 timeout 300 $t/test_layer_backward_gpu --gtest_filter='*Fp8*Ep1' 2>&1 |
   grep -E "^\[  (PASSED|FAILED|  OK) |^\[       OK|FAILED|Failure"
 echo "tests done at ${SECONDS}s"
-pattern="tokens/rank|backward  |its stages|training step|FP8 over"
-for tokens in ${TOKENS:-512 2048 8192}; do
-  for round in 1 2 3; do
-    order="base forward_writes_transposed"
-    [ $round = 2 ] && order="forward_writes_transposed base"
-    for v in $order; do
-      echo "== $v, round $round"
-      /tmp/ftc_$v/build/epflow-bench --dtype fp8 --backward --tokens $tokens --warmup 5 --iters 10 \
-        --settle-ms 500 --baselines none | grep -E "$pattern"
-    done
-  done
-done
+ROUNDS=3 PER_TOKEN_PROCESS=1 time_variants /tmp/ftc ${TOKENS:-512,2048,8192} \
+  "tokens/rank|backward  |its stages|training step|FP8 over" base forward_writes_transposed
