@@ -7,12 +7,13 @@
 # repository root on a GPU machine (GoogleTest in .deps/googletest, as for scripts/build.sh).
 set -uo pipefail
 here=experiments/forward_transposed_copies
-export VARIANT_TESTS="test_layer_backward_gpu test_fp8_quantize_gpu"
+export VARIANT_TESTS="test_layer_backward_gpu test_layer_fp8_gpu test_fp8_quantize_gpu"
 source experiments/build_variants.sh
 build_variants $here /tmp/ftc base forward_writes_transposed || exit 1
 echo "built at ${SECONDS}s"
 t=/tmp/ftc_forward_writes_transposed/build/tests
 timeout 60 $t/test_fp8_quantize_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
+timeout 120 $t/test_layer_fp8_gpu --gtest_filter='*Ep1' 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
 timeout 300 $t/test_layer_backward_gpu --gtest_filter='*Fp8*Ep1' 2>&1 |
   grep -E "^\[  (PASSED|FAILED|  OK) |^\[       OK|FAILED|Failure"
 echo "tests done at ${SECONDS}s"
