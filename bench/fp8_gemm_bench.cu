@@ -98,6 +98,7 @@ using bench::DeviceBuffer;
 using bench::fill_e4m3;
 using bench::fill_scales;
 using bench::median;
+using bench::median_call_us;
 using bench::Shape;
 using bench::to_host;
 
@@ -176,25 +177,9 @@ Result run_point(const Shape& s, int64_t per, const Options& o) {
   if (!bench::settle_locally(launch, nullptr, static_cast<double>(o.settle_ms)))
     check(cudaErrorUnknown, "timing a settling call");
   for (int i = 0; i < o.warmup; ++i) launch();
-  cudaEvent_t e0, e1;
-  check(cudaEventCreate(&e0), "event");
-  check(cudaEventCreate(&e1), "event");
   Result res{s, per};
-  for (int rep = 0; rep < o.repeats; ++rep) {
-    std::vector<double> us(o.iters);
-    for (int i = 0; i < o.iters; ++i) {
-      check(cudaEventRecord(e0), "event record");
-      check(kernels::launch_fp8_grouped_gemm(g, nullptr), "launch");
-      check(cudaEventRecord(e1), "event record");
-      check(cudaEventSynchronize(e1), "the GEMM");
-      float ms = 0.0f;
-      check(cudaEventElapsedTime(&ms, e0, e1), "event time");
-      us[i] = 1e3 * ms;
-    }
-    res.repeat_us.push_back(median(us));
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  for (int rep = 0; rep < o.repeats; ++rep)
+    res.repeat_us.push_back(median_call_us(launch, o.iters));
   res.median_us = median(res.repeat_us);
   res.tflops = 2.0 * rows * s.n * s.k / res.median_us * 1e-6;
   res.check_rel_err = check_rows(s, per, a.p, as.p, as_stride, w.p, ws.p, out.p);

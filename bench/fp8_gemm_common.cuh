@@ -42,6 +42,28 @@ inline double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// The median time of `iters` calls of launch(), timed one by one with CUDA events on the default
+// stream (each call waited for before the next starts), in microseconds.
+template <class Launch>
+double median_call_us(Launch&& launch, int iters) {
+  cudaEvent_t e0, e1;
+  check(cudaEventCreate(&e0), "event");
+  check(cudaEventCreate(&e1), "event");
+  std::vector<double> us(iters);
+  for (int i = 0; i < iters; ++i) {
+    check(cudaEventRecord(e0), "event record");
+    launch();
+    check(cudaEventRecord(e1), "event record");
+    check(cudaEventSynchronize(e1), "a timed call");
+    float ms = 0.0f;
+    check(cudaEventElapsedTime(&ms, e0, e1), "event time");
+    us[i] = 1e3 * ms;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return median(us);
+}
+
 // DeepSeek-V3's expert GEMM shapes are named "NAME K -> N".
 struct Shape {
   const char* name;

@@ -36,6 +36,7 @@ using epflow::bench::check;
 using epflow::bench::fill_e4m3;
 using epflow::bench::fill_scales;
 using epflow::bench::median;
+using epflow::bench::median_call_us;
 using epflow::bench::Shape;
 using epflow::bench::to_host;
 template <class T>
@@ -125,9 +126,6 @@ struct Options {
 // Rounds of one kernel: settle, warm up, then `rounds` rounds of `iters` timed calls.
 template <class Launch>
 std::vector<double> time_rounds(Launch&& launch, const Options& o) {
-  cudaEvent_t e0, e1;
-  check(cudaEventCreate(&e0), "event");
-  check(cudaEventCreate(&e1), "event");
   auto call = [&] {
     launch();
     return true;
@@ -136,21 +134,7 @@ std::vector<double> time_rounds(Launch&& launch, const Options& o) {
     check(cudaErrorUnknown, "timing a settling call");
   for (int i = 0; i < o.warmup; ++i) launch();
   std::vector<double> rounds;
-  for (int r = 0; r < o.rounds; ++r) {
-    std::vector<double> us(o.iters);
-    for (int i = 0; i < o.iters; ++i) {
-      check(cudaEventRecord(e0), "event");
-      launch();
-      check(cudaEventRecord(e1), "event");
-      check(cudaEventSynchronize(e1), "a timed call");
-      float ms = 0;
-      check(cudaEventElapsedTime(&ms, e0, e1), "event time");
-      us[i] = 1e3 * ms;
-    }
-    rounds.push_back(median(us));
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  for (int r = 0; r < o.rounds; ++r) rounds.push_back(median_call_us(launch, o.iters));
   return rounds;
 }
 

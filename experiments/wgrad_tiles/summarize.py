@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Where an FP8 weight-gradient tile's time goes, from timeline.cu's stamps (README.md).
+
+    experiments/wgrad_tiles/summarize.py STAMPS.csv...
+
+Per shape: the median (10th, 90th percentile) of each phase of a tile, in SM cycles, over every
+CTA's tiles but its first and last, for each consumer warpgroup: from taking the tile (its
+coordinates, its K) to its first stage full, the K loop, the epilogue (until its stores are
+issued), and from there back to the loop's top; the tile's whole period (one tile start to the next); the
+producer's lead (its first load of the tile issued before the warpgroup took it: positive =
+ahead) and how far apart the two warpgroups finish their K loops. The tensor cores' floor is
+1024 cycles per K block (a 128 x 256 x 128 e4m3 block at 8192 FLOP per cycle and SM).
+"""
+import csv
+import statistics
+import sys
+from collections import defaultdict
+
+FLOOR_PER_K_BLOCK = 1024
+
+
+def pct(values, q):
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def fmt(values):
+    return f"{statistics.median(values):8.0f} ({pct(values, 0.1):.0f}..{pct(values, 0.9):.0f})"
+
+
+def summarize(path):
+    by_shape = defaultdict(lambda: defaultdict(dict))
+    k_blocks = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            shape = f"{row['shape']} [{row['m']}, {row['n']}]"
+            k_blocks[shape] = int(row["k_blocks"])
+            by_shape[shape][int(row["cta"])][int(row["tile"])] = [
+                int(row[f"s{i}"]) for i in range(11)]
+    for shape, ctas in by_shape.items():
+        phases = defaultdict(list)
+        for tiles in ctas.values():
+            order = sorted(tiles)
+            for i in order[1:-1]:
+                s, nxt = tiles[i], tiles[i + 1]
+                if 0 in s or 0 in nxt:
+                    continue
+                for w in (0, 1):
+                    top, full, kdone, epi = s[3 + 4 * w: 7 + 4 * w]
+                    phases[f"wg{w}: tile taken, first stage full"].append(full - top)
+                    phases[f"wg{w}: K loop"].append(kdone - full)
+                    phases[f"wg{w}: epilogue"].append(epi - kdone)
+                    phases[f"wg{w}: back to the loop top"].append(nxt[3 + 4 * w] - epi)
+                    phases[f"wg{w}: tile period"].append(nxt[3 + 4 * w] - top)
+                    phases[f"wg{w}: producer's first load ahead"].append(top - s[1])
+                phases["wg1 K loop done after wg0's"].append(s[9] - s[5])
+        kb = k_blocks[shape]
+        print(f"{path}: {shape}, {kb} K blocks per tile (tensor floor {kb * FLOOR_PER_K_BLOCK}"
+              f" cycles), {len(phases['wg0: K loop'])} tiles")
+        for name, values in phases.items():
+            print(f"  {name:40s} {fmt(values)}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    for p in sys.argv[1:]:
+        summarize(p)
