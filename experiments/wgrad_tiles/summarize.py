@@ -5,11 +5,13 @@
 
 Per shape: the median (10th, 90th percentile) of each phase of a tile, in SM cycles, over every
 CTA's tiles but its first and last, for each consumer warpgroup: from taking the tile (its
-coordinates, its K) to its first stage full, the K loop, the epilogue (until its stores are
-issued), and from there back to the loop's top; the tile's whole period (one tile start to the next); the
-producer's lead (its first load of the tile issued before the warpgroup took it: positive =
-ahead) and how far apart the two warpgroups finish their K loops. The tensor cores' floor is
-1024 cycles per K block (a 128 x 256 x 128 e4m3 block at 8192 FLOP per cycle and SM).
+coordinates, its K) to its first stage full; from there to its first group issued (its turn, the
+mainloop's setup); its groups, from the first issued to the last complete; the last promotion;
+the epilogue (until its stores are issued); from there back to the loop's top. Then the tile's
+whole period (one tile start to the next), the producer's lead (its first load of the tile
+issued before the warpgroup took it: positive = ahead) and how far apart the two warpgroups'
+last groups complete. The tensor cores' floor is 1024 cycles per K block (a 128 x 256 x 128 e4m3
+block at 8192 FLOP per cycle and SM), both warpgroups' groups together.
 """
 import csv
 import statistics
@@ -17,6 +19,7 @@ import sys
 from collections import defaultdict
 
 FLOOR_PER_K_BLOCK = 1024
+SLOTS = 15  # kWgradStampSlots: 0-2 the producer, 3 + 6 w .. 8 + 6 w consumer warpgroup w
 
 
 def pct(values, q):
@@ -36,7 +39,7 @@ def summarize(path):
             shape = f"{row['shape']} [{row['m']}, {row['n']}]"
             k_blocks[shape] = int(row["k_blocks"])
             by_shape[shape][int(row["cta"])][int(row["tile"])] = [
-                int(row[f"s{i}"]) for i in range(11)]
+                int(row[f"s{i}"]) for i in range(SLOTS)]
     for shape, ctas in by_shape.items():
         phases = defaultdict(list)
         for tiles in ctas.values():
@@ -46,17 +49,19 @@ def summarize(path):
                 if 0 in s or 0 in nxt:
                     continue
                 for w in (0, 1):
-                    top, full, kdone, epi = s[3 + 4 * w: 7 + 4 * w]
+                    top, full, issued, waited, kdone, epi = s[3 + 6 * w: 9 + 6 * w]
                     phases[f"wg{w}: tile taken, first stage full"].append(full - top)
-                    phases[f"wg{w}: K loop"].append(kdone - full)
+                    phases[f"wg{w}: to its first group issued"].append(issued - full)
+                    phases[f"wg{w}: its groups"].append(waited - issued)
+                    phases[f"wg{w}: last promotion"].append(kdone - waited)
                     phases[f"wg{w}: epilogue"].append(epi - kdone)
-                    phases[f"wg{w}: back to the loop top"].append(nxt[3 + 4 * w] - epi)
-                    phases[f"wg{w}: tile period"].append(nxt[3 + 4 * w] - top)
+                    phases[f"wg{w}: back to the loop top"].append(nxt[3 + 6 * w] - epi)
+                    phases[f"wg{w}: tile period"].append(nxt[3 + 6 * w] - top)
                     phases[f"wg{w}: producer's first load ahead"].append(top - s[1])
-                phases["wg1 K loop done after wg0's"].append(s[9] - s[5])
+                phases["wg1's last group after wg0's"].append(s[12] - s[6])
         kb = k_blocks[shape]
         print(f"{path}: {shape}, {kb} K blocks per tile (tensor floor {kb * FLOOR_PER_K_BLOCK}"
-              f" cycles), {len(phases['wg0: K loop'])} tiles")
+              f" cycles), {len(phases['wg0: tile period'])} tiles")
         for name, values in phases.items():
             print(f"  {name:40s} {fmt(values)}")
 
