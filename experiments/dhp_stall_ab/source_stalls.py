@@ -12,20 +12,17 @@ import collections
 import csv
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("csv")
-    ap.add_argument("--top", type=int, default=30)
-    args = ap.parse_args()
-    samples, sass, no_inst = collections.Counter(), collections.Counter(), collections.Counter()
+def read_source_csv(path):
+    """Per (file, line): warp-stall samples, stall reasons, SASS instructions, its text."""
+    samples, sass = collections.Counter(), collections.Counter()
     reasons = collections.defaultdict(collections.Counter)
-    text, total = {}, 0
-    path, line, header = None, None, None
-    for row in csv.reader(open(args.csv)):
+    text = {}
+    src, line, header = None, None, None
+    for row in csv.reader(open(path)):
         if not row or row[0] == "Function Name":
             continue
         if row[0] == "File Path":
-            path = row[1].split("/")[-1]
+            src = row[1].split("/")[-1]
             continue
         if row[0] == "Line No":
             header = row
@@ -35,14 +32,23 @@ def main():
         if row[0] == "":  # a SASS instruction of the line above
             sass[line] += 1
             continue
-        line = (path, int(row[0]))
+        line = (src, int(row[0]))
         text[line] = row[1].strip()[:80]
         n = int(row[col]) if row[col].isdigit() else 0
         samples[line] += n
-        total += n
         for i in stalls:
             if row[i].isdigit():
                 reasons[line][header[i][len("stall_"):]] += int(row[i])
+    return samples, reasons, sass, text
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    samples, reasons, sass, text = read_source_csv(args.csv)
+    total = sum(samples.values())
     print(f"warp-stall samples: {total}")
     print(f"{'samples':>8} {'%':>5} {'SASS':>5}  line | top stall reasons")
     for k, n in samples.most_common(args.top):
