@@ -85,15 +85,17 @@ static __global__ void fill_e4m3(uint8_t* p, int64_t n, uint64_t seed) {
   }
 }
 
-// Random scales 2^u, u uniform in [-4, 4): blocks of very different magnitudes.
+// Random scale number i: 2^u, u uniform in [-4, 4) (blocks of very different magnitudes).
+__host__ __device__ inline float random_scale(int64_t i, uint64_t seed) {
+  const uint64_t bits = fp8_gemm_mix((i + 1) * 0x9E3779B97F4A7C15ull + seed) >> 11;
+  const double u = static_cast<double>(bits) / 9007199254740992.0;
+  return exp2f(static_cast<float>(8.0 * u - 4.0));
+}
+
 static __global__ void fill_scales(float* p, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const double u =
-        static_cast<double>(fp8_gemm_mix((i + 1) * 0x9E3779B97F4A7C15ull + seed) >> 11) /
-        9007199254740992.0;
-    p[i] = exp2f(static_cast<float>(8.0 * u - 4.0));
-  }
+       i += int64_t{gridDim.x} * blockDim.x)
+    p[i] = random_scale(i, seed);
 }
 
 }  // namespace epflow::bench

@@ -23,7 +23,6 @@ namespace {
 using epflow::bench::check;
 using epflow::bench::fill_e4m3;
 using epflow::bench::fill_scales;
-using epflow::bench::fp8_gemm_mix;
 using epflow::bench::median_call_us;
 template <class T>
 using Buf = epflow::bench::DeviceBuffer<T>;
@@ -31,16 +30,14 @@ namespace k = epflow::kernels;
 
 constexpr int kExperts = 32, kTopK = 8;
 
-// The packed rows' scales (after each row's max_rows e4m3 bytes): 2^u, u uniform in [-4, 4).
+// The packed rows' scales (after each row's max_rows e4m3 bytes), as fill_scales' values.
 __global__ void fill_row_scales(uint8_t* packed, int64_t rows, int64_t row_bytes, int64_t max_rows,
                                 uint64_t seed) {
   const int64_t per_row = max_rows / epflow::fp8::kBlock;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < rows * per_row;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const double u = static_cast<double>(fp8_gemm_mix((i + 1) * 0x9E3779B97F4A7C15ull + seed) >> 11) /
-                     9007199254740992.0;
     reinterpret_cast<float*>(packed + (i / per_row) * row_bytes + max_rows)[i % per_row] =
-        exp2f(static_cast<float>(8.0 * u - 4.0));
+        epflow::bench::random_scale(i, seed);
   }
 }
 
@@ -106,7 +103,8 @@ int main(int argc, char** argv) {
     const double flops = 2.0 * kExperts * sh.m * sh.n * rows;
     std::printf("%s [%lld, %lld], %lld tokens/rank (%lld rows per expert): %.1f us, %.0f TFLOPS\n",
                 sh.name, static_cast<long long>(sh.m), static_cast<long long>(sh.n),
-                static_cast<long long>(tokens), static_cast<long long>(rows), us, flops / us * 1e-6);
+                static_cast<long long>(tokens), static_cast<long long>(rows), us,
+                flops / us * 1e-6);
     check(k::fp8_wgrad_stamps(nullptr, true), "clear stamps");
     launch();
     check(cudaDeviceSynchronize(), "stamped launch");
