@@ -5,9 +5,11 @@
 
 Per shape: the median (10th, 90th percentile) of each phase of a tile, in SM cycles, over every
 CTA's tiles but its first and last, for each consumer warpgroup: from taking the tile (its
-coordinates, its K) to its first stage full; from there to its first group issued (its turn, the
-mainloop's setup); its groups, from the first issued to the last complete; the last promotion;
-the epilogue (until its stores are issued); from there back to the loop's top. Then the tile's
+coordinates, its K) to its first stage full; from there to its first turn on the tensor cores
+(the mainloop's setup, the turn); to its first group issued; its groups, from the first issued
+to the last complete; the last promotion; the epilogue's wait for its staging (the previous
+tile's stores reading it); the rest of the epilogue (until its stores are issued); from there
+back to the loop's top. Then the tile's
 whole period (one tile start to the next), the producer's lead (its first load of the tile
 issued before the warpgroup took it: positive = ahead) and how far apart the two warpgroups'
 last groups complete. The tensor cores' floor is 1024 cycles per K block (a 128 x 256 x 128 e4m3
@@ -19,7 +21,7 @@ import sys
 from collections import defaultdict
 
 FLOOR_PER_K_BLOCK = 1024
-SLOTS = 15  # kWgradStampSlots: 0-2 the producer, 3 + 6 w .. 8 + 6 w consumer warpgroup w
+SLOTS = 19  # kWgradStampSlots: 0-2 the producer, 3 + 8 w .. 10 + 8 w consumer warpgroup w
 
 
 def pct(values, q):
@@ -49,16 +51,18 @@ def summarize(path):
                 if 0 in s or 0 in nxt:
                     continue
                 for w in (0, 1):
-                    top, full, issued, waited, kdone, epi = s[3 + 6 * w: 9 + 6 * w]
+                    top, full, turn, issued, waited, kdone, free, epi = s[3 + 8 * w: 11 + 8 * w]
                     phases[f"wg{w}: tile taken, first stage full"].append(full - top)
-                    phases[f"wg{w}: to its first group issued"].append(issued - full)
+                    phases[f"wg{w}: to its first turn"].append(turn - full)
+                    phases[f"wg{w}: to its first group issued"].append(issued - turn)
                     phases[f"wg{w}: its groups"].append(waited - issued)
                     phases[f"wg{w}: last promotion"].append(kdone - waited)
-                    phases[f"wg{w}: epilogue"].append(epi - kdone)
-                    phases[f"wg{w}: back to the loop top"].append(nxt[3 + 6 * w] - epi)
-                    phases[f"wg{w}: tile period"].append(nxt[3 + 6 * w] - top)
+                    phases[f"wg{w}: epilogue, staging free"].append(free - kdone)
+                    phases[f"wg{w}: epilogue, stores issued"].append(epi - free)
+                    phases[f"wg{w}: back to the loop top"].append(nxt[3 + 8 * w] - epi)
+                    phases[f"wg{w}: tile period"].append(nxt[3 + 8 * w] - top)
                     phases[f"wg{w}: producer's first load ahead"].append(top - s[1])
-                phases["wg1's last group after wg0's"].append(s[12] - s[6])
+                phases["wg1's last group after wg0's"].append(s[15] - s[7])
         kb = k_blocks[shape]
         print(f"{path}: {shape}, {kb} K blocks per tile (tensor floor {kb * FLOOR_PER_K_BLOCK}"
               f" cycles), {len(phases['wg0: tile period'])} tiles")
