@@ -11,8 +11,9 @@ to the last complete; the last promotion; the epilogue's wait for its staging (t
 tile's stores reading it); the rest of the epilogue (until its stores are issued); from there
 back to the loop's top. Then the tile's
 whole period (one tile start to the next), the producer's lead (its first load of the tile
-issued before the warpgroup took it: positive = ahead) and how far apart the two warpgroups'
-last groups complete. The tensor cores' floor is 1024 cycles per K block (a 128 x 256 x 128 e4m3
+issued before the warpgroup took it: positive = ahead), how far apart the two warpgroups' last
+groups complete, and the producer's own: from taking the tile to issuing its first stage's loads
+(its wait for a free stage), and from there to warpgroup 0 seeing that stage full. The tensor cores' floor is 1024 cycles per K block (a 128 x 256 x 128 e4m3
 block at 8192 FLOP per cycle and SM), both warpgroups' groups together.
 """
 import csv
@@ -63,6 +64,8 @@ def summarize(path):
                     phases[f"wg{w}: tile period"].append(nxt[3 + 8 * w] - top)
                     phases[f"wg{w}: producer's first load ahead"].append(top - s[1])
                 phases["wg1's last group after wg0's"].append(s[15] - s[7])
+                phases["producer: tile start to its first load"].append(s[1] - s[0])
+                phases["producer: first load to wg0 seeing it"].append(s[4] - s[1])
         kb = k_blocks[shape]
         print(f"{path}: {shape}, {kb} K blocks per tile (tensor floor {kb * FLOOR_PER_K_BLOCK}"
               f" cycles), {len(phases['wg0: tile period'])} tiles")
