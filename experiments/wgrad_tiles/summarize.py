@@ -12,8 +12,11 @@ tile's stores reading it); the rest of the epilogue (until its stores are issued
 back to the loop's top. Then the tile's
 whole period (one tile start to the next), the producer's lead (its first load of the tile
 issued before the warpgroup took it: positive = ahead), how far apart the two warpgroups' last
-groups complete, and the producer's own: from taking the tile to issuing its first stage's loads
-(its wait for a free stage), and from there to warpgroup 0 seeing that stage full. The tensor cores' floor is 1024 cycles per K block (a 128 x 256 x 128 e4m3
+groups complete, and the producer's own: from taking the tile to its first stage free (its wait
+for it), to that stage's loads issued, and from there to warpgroup 0 seeing that stage full.
+With two K blocks or more: when each warpgroup releases the second K block's stage (from its
+first group issued), and how long after warpgroup 1's release the producer finds the next
+tile's first stage free (with 3 stages and 4 K blocks, that release frees it). The tensor cores' floor is 1024 cycles per K block (a 128 x 256 x 128 e4m3
 block at 8192 FLOP per cycle and SM), both warpgroups' groups together.
 """
 import csv
@@ -22,7 +25,7 @@ import sys
 from collections import defaultdict
 
 FLOOR_PER_K_BLOCK = 1024
-SLOTS = 19  # kWgradStampSlots: 0-2 the producer, 3 + 8 w .. 10 + 8 w consumer warpgroup w
+SLOTS = 22  # kWgradStampSlots: 0-2 and 19 the producer, 3 + 8 w .. 10 + 8 w and 20 + w warpgroup w
 
 
 def pct(values, q):
@@ -49,7 +52,7 @@ def summarize(path):
             order = sorted(tiles)
             for i in order[1:-1]:
                 s, nxt = tiles[i], tiles[i + 1]
-                if 0 in s or 0 in nxt:
+                if 0 in s[:20] or 0 in nxt[:20]:
                     continue
                 for w in (0, 1):
                     top, full, turn, issued, waited, kdone, free, epi = s[3 + 8 * w: 11 + 8 * w]
@@ -64,13 +67,20 @@ def summarize(path):
                     phases[f"wg{w}: tile period"].append(nxt[3 + 8 * w] - top)
                     phases[f"wg{w}: producer's first load ahead"].append(top - s[1])
                 phases["wg1's last group after wg0's"].append(s[15] - s[7])
-                phases["producer: tile start to its first load"].append(s[1] - s[0])
-                phases["producer: first load to wg0 seeing it"].append(s[4] - s[1])
+                phases["producer: tile start to its first stage free"].append(s[19] - s[0])
+                phases["producer: first stage free to its loads issued"].append(s[1] - s[19])
+                phases["producer: first loads issued to wg0 seeing them"].append(s[4] - s[1])
+                if s[20] and s[21]:  # two K blocks or more: the releases of the second's stage
+                    for w in (0, 1):
+                        phases[f"wg{w}: 2nd K block released, from its first group issued"].append(
+                            s[20 + w] - s[6 + 8 * w])
+                    phases["producer: next tile's first stage free, from wg1's release"].append(
+                        nxt[19] - s[21])
         kb = k_blocks[shape]
         print(f"{path}: {shape}, {kb} K blocks per tile (tensor floor {kb * FLOOR_PER_K_BLOCK}"
               f" cycles), {len(phases['wg0: tile period'])} tiles")
         for name, values in phases.items():
-            print(f"  {name:40s} {fmt(values)}")
+            print(f"  {name:58s} {fmt(values)}")
 
 
 if __name__ == "__main__":
