@@ -211,21 +211,6 @@ __device__ __forceinline__ int32_t fp8_k_blocks(const WgradParams& p, const gemm
   return static_cast<int32_t>((k + fp8::kBlock - 1) / fp8::kBlock);
 }
 
-// Tile t of the walk with its K blocks; none (0 K blocks) past the last tile.
-struct Fp8WgradTile {
-  gemm::TileCoord c;
-  int32_t k_blocks = 0;
-};
-__device__ __forceinline__ Fp8WgradTile fp8_wgrad_tile(const WgradParams& p, int64_t t,
-                                                      int64_t tiles) {
-  Fp8WgradTile x;
-  if (t < tiles) {
-    x.c = wgrad_tile(p, t);
-    x.k_blocks = fp8_k_blocks(p, x.c);
-  }
-  return x;
-}
-
 // Where chunk [first, first + n) of tile c's K blocks has its two B scale rows.
 __device__ __forceinline__ void fp8_b_rows(const Fp8WgradParams& p, const gemm::TileCoord& c,
                                            int32_t first, int32_t* row0, int32_t* row1) {
@@ -265,16 +250,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     if (threadIdx.x != 0) return;
     constexpr uint32_t kBytes =
         (kTileRows + kTileCols) * fp8::kBlock + gemm::kFp8ScaleBoxBytes;
-    // NOTES: a tile's coordinates and K come from global memory (seg_offset, then expert_rows:
-    // dependent loads); they are read a tile ahead so that their latency overlaps the current
-    // tile instead of the gap between two tiles (docs/benchmarks.md, "The FP8 weight-gradient
-    // tiles, stamped").
-    Fp8WgradTile next = fp8_wgrad_tile(p, blockIdx.x, tiles);
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Fp8WgradTile tile = next;
-      next = fp8_wgrad_tile(p, t + gridDim.x, tiles);
-      const gemm::TileCoord& c = tile.c;
-      const int32_t k_blocks = tile.k_blocks;
+      const gemm::TileCoord c = wgrad_tile(p, t);
+      const int32_t k_blocks = fp8_k_blocks(p, c);
       for (int32_t first = 0; first < k_blocks; first += kFp8ChunkBlocks) {
         const int32_t n = min(kFp8ChunkBlocks, k_blocks - first);
         int32_t row0, row1;
@@ -313,13 +291,9 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     sc.a_smem = row_scale_boxes;
     sc.b_smem = weight_scale_slots;
     sc.n_blocks = fp.n_blocks;
-    // The coordinates and K a tile ahead, as the producer reads them.
-    Fp8WgradTile next = fp8_wgrad_tile(p, blockIdx.x, tiles);
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Fp8WgradTile tile = next;
-      next = fp8_wgrad_tile(p, t + gridDim.x, tiles);
-      const gemm::TileCoord& c = tile.c;
-      const int32_t k_blocks = tile.k_blocks;
+      const gemm::TileCoord c = wgrad_tile(p, t);
+      const int32_t k_blocks = fp8_k_blocks(p, c);
       float acc[kTileCols / 2];
 #pragma unroll
       for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
