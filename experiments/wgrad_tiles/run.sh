@@ -6,8 +6,8 @@
 #       and 8192 tokens per rank), then summarize.py. About a minute. TIMELINES="timeline
 #       timeline_uniform_rows": each of those patches in turn (timeline_X.patch: timeline.patch
 #       with X's change).
-#   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (tile_walk_32bit,
-#       a_registers):
+#   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (tile_ring,
+#       tile_walk_32bit, a_registers):
 #       the weight-gradient tests on the patched build, then the FP8 step at 512 /
 #       2048 / 8192 tokens, one process per count, three rounds alternating
 #       (experiments/step_ceilings/summarize.py OUTPUT reads it). About three minutes.
