@@ -4,10 +4,9 @@
 #   experiments/wgrad_tiles/run.sh timeline    EPFlow built with timeline.patch (/tmp/wt_timeline),
 #       timeline.cu compiled against it, one stamped launch per shape at TOKENS (default 2048
 #       and 8192 tokens per rank), then summarize.py. About a minute. TIMELINES="timeline
-#       timeline_uniform_rows": each of those patches in turn (timeline_X.patch: timeline.patch
-#       with X's change).
-#   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (tile_ring,
-#       tile_walk_32bit, a_registers):
+#       timeline_X": each of those patches in turn (timeline_X.patch: timeline.patch with X's
+#       change).
+#   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (a_registers):
 #       the weight-gradient tests on the patched build, then the FP8 step at 512 /
 #       2048 / 8192 tokens, one process per count, three rounds alternating
 #       (experiments/step_ceilings/summarize.py OUTPUT reads it). About three minutes.

@@ -193,9 +193,46 @@ constexpr int kFp8KUnroll = 4;
 constexpr int32_t kFp8ChunkScaleBox = gemm::fp8_weight_scale_box(kFp8ChunkBlocks);
 static_assert(kFp8ChunkScaleBox <= 256 &&
               kFp8ChunkScaleBox * 4 <= gemm::kFp8WeightScaleRowBytes);
-// The FP8 storage: the bf16 form's, then the stages' row-scale boxes and the weight-scale slots.
-constexpr size_t kFp8SmemBytes =
+// The tiles of a CTA, read ahead into a ring in shared memory by a warp of their own (the tile
+// reader: the producer warpgroup's second warp, otherwise idle); the producer and the consumers
+// take them from it. NOTES: a tile's K origin and K come from global memory (seg_offset,
+// expert_rows), and the compiler consumes loaded values within the iteration that loads them, so
+// a thread that looked its tiles up itself waited one global load at each tile's start, and the
+// producer issued the tile's first loads that much later. The reader runs up to kTileRingSlots
+// tiles ahead, off every path that feeds the tensor cores.
+constexpr int kTileRingSlots = 8;
+struct TileRing {
+  gemm::TileCoord tile[kTileRingSlots];
+  int32_t k_blocks[kTileRingSlots];
+  uint64_t full[kTileRingSlots];   // the reader's arrival: the slot holds the next tile
+  uint64_t empty[kTileRingSlots];  // kTileRingReaders arrivals: every reader took it
+};
+constexpr uint32_t kTileRingReaders = 1 + 2 * 128;  // the producer thread and every consumer
+// One reader's walk over the ring: take() waits for the next tile and arrives once read.
+struct TileRingCursor {
+  TileRing* ring;
+  int slot = 0;
+  uint32_t parity = 0;
+  __device__ __forceinline__ int32_t take(gemm::TileCoord* c) {
+    ptx::mbarrier_wait(&ring->full[slot], parity);
+    const volatile TileRing* r = ring;
+    c->m_tile = r->tile[slot].m_tile;
+    c->n_tile = r->tile[slot].n_tile;
+    c->expert = r->tile[slot].expert;
+    c->rows = r->tile[slot].rows;
+    c->a_row = r->tile[slot].a_row;
+    const int32_t k_blocks = r->k_blocks[slot];
+    ptx::mbarrier_arrive(&ring->empty[slot]);
+    if (++slot == kTileRingSlots) slot = 0, parity ^= 1;
+    return k_blocks;
+  }
+};
+
+// The FP8 storage: the bf16 form's, then the stages' row-scale boxes and the weight-scale slots,
+// then the tile ring.
+constexpr size_t kFp8RingOffset =
     sizeof(Smem) + kStages * gemm::kFp8ScaleBoxBytes + gemm::kFp8WeightScaleBytes<kStages>;
+constexpr size_t kFp8SmemBytes = kFp8RingOffset + sizeof(TileRing);
 static_assert(kFp8SmemBytes <= 227 * 1024);
 
 struct Fp8WgradParams {
@@ -234,25 +271,44 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
   auto& s = gemm::dynamic_smem<Smem>();
   uint8_t* row_scale_boxes = reinterpret_cast<uint8_t*>(&s) + sizeof(s);
   uint8_t* weight_scale_slots = row_scale_boxes + kStages * gemm::kFp8ScaleBoxBytes;
+  auto* ring = reinterpret_cast<TileRing*>(reinterpret_cast<uint8_t*>(&s) + kFp8RingOffset);
   const WgradParams& p = fp.base;
   const int wg = gemm::warpgroup_index();
   if (threadIdx.x == 0) {
     gemm::check_dynamic_smem_alignment();
-    gemm::init_stage_barriers(s);
+    for (int i = 0; i < kTileRingSlots; ++i) {
+      ptx::mbarrier_init(&ring->full[i], 1);
+      ptx::mbarrier_init(&ring->empty[i], kTileRingReaders);
+    }
+    gemm::init_stage_barriers(s);  // and the fence that publishes every barrier
     for (const CUtensorMap* m : {&map_a, &map_a_scales, &map_b, &map_b_scales, &map_dw})
       ptx::prefetch_tensor_map(m);
   }
   __syncthreads();
   const int64_t tiles = int64_t{p.experts} * p.m_tiles * p.n_tiles;
   gemm::PipelineState<kStages> ps;
+  TileRingCursor cursor{ring};
   if (wg == 0) {
     ptx::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 32) {  // the tile reader
+      int slot = 0;
+      uint32_t parity = 0;
+      for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+        ptx::mbarrier_wait(&ring->empty[slot], parity ^ 1);
+        const gemm::TileCoord c = wgrad_tile(p, t);
+        ring->tile[slot] = c;
+        ring->k_blocks[slot] = fp8_k_blocks(p, c);
+        ptx::mbarrier_arrive(&ring->full[slot]);
+        if (++slot == kTileRingSlots) slot = 0, parity ^= 1;
+      }
+      return;
+    }
     if (threadIdx.x != 0) return;
     constexpr uint32_t kBytes =
         (kTileRows + kTileCols) * fp8::kBlock + gemm::kFp8ScaleBoxBytes;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const gemm::TileCoord c = wgrad_tile(p, t);
-      const int32_t k_blocks = fp8_k_blocks(p, c);
+      gemm::TileCoord c;
+      const int32_t k_blocks = cursor.take(&c);
       for (int32_t first = 0; first < k_blocks; first += kFp8ChunkBlocks) {
         const int32_t n = min(kFp8ChunkBlocks, k_blocks - first);
         int32_t row0, row1;
@@ -292,8 +348,8 @@ __global__ void __launch_bounds__(gemm::kThreads, 1)
     sc.b_smem = weight_scale_slots;
     sc.n_blocks = fp.n_blocks;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const gemm::TileCoord c = wgrad_tile(p, t);
-      const int32_t k_blocks = fp8_k_blocks(p, c);
+      gemm::TileCoord c;
+      const int32_t k_blocks = cursor.take(&c);
       float acc[kTileCols / 2];
 #pragma unroll
       for (int i = 0; i < kTileCols / 2; ++i) acc[i] = 0.0f;
