@@ -6,7 +6,8 @@
 #       and 8192 tokens per rank), then summarize.py. About a minute. TIMELINES="timeline
 #       timeline_X": each of those patches in turn (timeline_X.patch: timeline.patch with X's
 #       change).
-#   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (a_registers):
+#   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (a_registers,
+#       b_multicast):
 #       the weight-gradient tests on the patched build, then the FP8 step at 512 /
 #       2048 / 8192 tokens, one process per count, three rounds alternating
 #       (experiments/step_ceilings/summarize.py OUTPUT reads it). About three minutes.
