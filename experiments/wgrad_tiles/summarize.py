@@ -16,7 +16,10 @@ groups complete, and the producer's own: from taking the tile to its first stage
 for it), to that stage's loads issued, and from there to warpgroup 0 seeing that stage full.
 With two K blocks or more: when each warpgroup releases the second K block's stage (from its
 first group issued), and how long after warpgroup 1's release the producer finds the next
-tile's first stage free (with 3 stages and 4 K blocks, that release frees it). The tensor cores' floor is 1024 cycles per K block (a 128 x 256 x 128 e4m3
+tile's first stage free (with 3 stages and 4 K blocks, that release frees it). With the stage
+observer's stamps (timeline_stage_landing.patch, 29 slots): for each of the tile's first four K
+blocks, its loads' issue to its stage full, and from block 0's stage full to warpgroup 0's wait
+for it ending. The tensor cores' floor is 1024 cycles per K block (a 128 x 256 x 128 e4m3
 block at 8192 FLOP per cycle and SM), both warpgroups' groups together.
 """
 import csv
@@ -25,7 +28,9 @@ import sys
 from collections import defaultdict
 
 FLOOR_PER_K_BLOCK = 1024
-SLOTS = 22  # kWgradStampSlots: 0-2 and 19 the producer, 3 + 8 w .. 10 + 8 w and 20 + w warpgroup w
+# kWgradStampSlots, at least 22: 0-2 and 19 the producer, 3 + 8 w .. 10 + 8 w and 20 + w
+# warpgroup w; with 29, 22-25 the first four K blocks' stages full, 26-28 blocks 1-3 issued.
+LANDING_SLOTS = 29
 
 
 def pct(values, q):
@@ -41,11 +46,13 @@ def summarize(path):
     by_shape = defaultdict(lambda: defaultdict(dict))
     k_blocks = {}
     with open(path) as f:
-        for row in csv.DictReader(f):
+        reader = csv.DictReader(f)
+        slots = sum(1 for name in reader.fieldnames if name[0] == "s" and name[1:].isdigit())
+        for row in reader:
             shape = f"{row['shape']} [{row['m']}, {row['n']}]"
             k_blocks[shape] = int(row["k_blocks"])
             by_shape[shape][int(row["cta"])][int(row["tile"])] = [
-                int(row[f"s{i}"]) for i in range(SLOTS)]
+                int(row[f"s{i}"]) for i in range(slots)]
     for shape, ctas in by_shape.items():
         phases = defaultdict(list)
         for tiles in ctas.values():
@@ -76,6 +83,14 @@ def summarize(path):
                             s[20 + w] - s[6 + 8 * w])
                     phases["producer: next tile's first stage free, from wg1's release"].append(
                         nxt[19] - s[21])
+                if len(s) >= LANDING_SLOTS:
+                    issued = [s[1], s[26], s[27], s[28]]
+                    for b in range(min(4, k_blocks[shape])):
+                        if s[22 + b] and issued[b]:
+                            phases[f"K block {b}: loads issued to its stage full"].append(
+                                s[22 + b] - issued[b])
+                    if s[22]:
+                        phases["K block 0: stage full to wg0's wait ending"].append(s[4] - s[22])
         kb = k_blocks[shape]
         print(f"{path}: {shape}, {kb} K blocks per tile (tensor floor {kb * FLOOR_PER_K_BLOCK}"
               f" cycles), {len(phases['wg0: tile period'])} tiles")
