@@ -7,7 +7,7 @@
 #       timeline_X": each of those patches in turn (timeline_X.patch: timeline.patch with X's
 #       change).
 #   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (a_registers,
-#       b_multicast, scales_ahead):
+#       b_multicast, scales_ahead, a_scales_kmajor):
 #       the weight-gradient tests on the patched build, then the FP8 step at 512 /
 #       2048 / 8192 tokens, one process per count, three rounds alternating
 #       (experiments/step_ceilings/summarize.py OUTPUT reads it). About three minutes.
@@ -35,11 +35,11 @@ timeline)
   ;;
 ab)
   v=${2:?usage: $0 ab VARIANT}
-  export VARIANT_TESTS="test_fp8_wgrad_gpu test_expert_ffn_wgrad_gpu test_layer_backward_gpu"
+  export VARIANT_TESTS="test_fp8_wgrad_gpu test_expert_ffn_wgrad_gpu test_layer_backward_gpu test_fp8_quantize_gpu"
   source experiments/build_variants.sh
   build_variants $here /tmp/wt base $v || exit 1
   t=/tmp/wt_$v/build/tests
-  for x in test_fp8_wgrad_gpu test_expert_ffn_wgrad_gpu; do
+  for x in test_fp8_wgrad_gpu test_expert_ffn_wgrad_gpu test_fp8_quantize_gpu; do
     timeout 120 $t/$x 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
   done
   timeout 150 $t/test_layer_backward_gpu --gtest_filter='*Ep1*:-*DeepSeekV3*' 2>&1 |
