@@ -7,7 +7,8 @@
 #       timeline_X": each of those patches in turn (timeline_X.patch: timeline.patch with X's
 #       change).
 #   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (a_registers,
-#       b_multicast, scales_ahead, a_scales_kmajor, warp_arrive, early_group_warp_arrive):
+#       b_multicast, scales_ahead, a_scales_kmajor, warp_arrive, early_group_warp_arrive,
+#       first_block_sets):
 #       the weight-gradient tests on the patched build, then the FP8 step at 512 /
 #       2048 / 8192 tokens, one process per count, three rounds alternating
 #       (experiments/step_ceilings/summarize.py OUTPUT reads it). About three minutes.
