@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ab_output import tagged_lines  # noqa: E402
 
-BACKWARD = re.compile(r"\s+(epflow-fp8|epflow) backward\s+([\d.]+)")
+BACKWARD = re.compile(r"\s+epflow backward\s+([\d.]+)")
 FORWARD = re.compile(r"\s+epflow\s+([\d.]+)\s+[\d.]+\s+[\d.]+x")
 STEP = re.compile(r"\s+(epflow-fp8|epflow) training step\s+([\d.]+)\s+[\d.]+\s+\((.*)\)")
 PART = re.compile(r"(forward keeping g\|u|backward) ([\d.]+)")
@@ -32,8 +32,7 @@ def rounds(paths):
             if m := FORWARD.match(line):
                 out[(tokens, "bf16 forward alone")].append(float(m.group(1)))
             elif m := BACKWARD.match(line):
-                if m.group(1) == "epflow":
-                    out[(tokens, "bf16 backward alone")].append(float(m.group(2)))
+                out[(tokens, "bf16 backward alone")].append(float(m.group(1)))
             elif m := STEP.match(line):
                 if m.group(1) == "epflow-fp8":
                     current[tokens] = float(m.group(2))
