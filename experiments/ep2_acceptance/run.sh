@@ -4,9 +4,11 @@
 # the build of an earlier call on the same, still warm, machine; carry .deps for GoogleTest):
 #   experiments/ep2_acceptance/run.sh build   Release build with the tests and the PyTorch
 #                                             binding into build-ep2 (~4 min on 32 cores)
-#   experiments/ep2_acceptance/run.sh ctest   ctest -L gpu (EP = 1 and EP = 2 tests; the EP = 1
-#                                             suite alone took 7-9 minutes on one H200)
-#   experiments/ep2_acceptance/run.sh pytest  python3 -m pytest tests/python
+#   experiments/ep2_acceptance/run.sh ctest   ctest -L gpu (EP = 1 and EP = 2 tests; on one
+#                                             H200 the EP = 1 ones and the PyTorch tests took
+#                                             7-9 minutes together)
+#   experiments/ep2_acceptance/run.sh pytest  python3 -m pytest tests/python (its EP = 2
+#                                             cases run where two GPUs are present)
 #   experiments/ep2_acceptance/run.sh steps   the FP8 and bf16 backward and training step at
 #                                             EP = 2 in long loops with repeats
 #                                             (experiments/step_spread/steady.sh)
