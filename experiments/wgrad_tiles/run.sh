@@ -8,7 +8,7 @@
 #       change).
 #   experiments/wgrad_tiles/run.sh ab VARIANT    VARIANT.patch against the tree (a_registers,
 #       b_multicast, scales_ahead, a_scales_kmajor, warp_arrive, early_group_warp_arrive,
-#       first_block_sets):
+#       first_block_sets, passes_cp_async):
 #       the weight-gradient tests on the patched build, then the FP8 step at 512 /
 #       2048 / 8192 tokens, one process per count, three rounds alternating
 #       (experiments/step_ceilings/summarize.py OUTPUT reads it). About three minutes.
