@@ -3,10 +3,8 @@
 # the repository root:
 #   experiments/dgrad_transpose/run.sh [VARIANT...]   (default: in_place in_place_after_promotion)
 # builds main and each VARIANT.patch (experiments/build_variants.sh, with the FP8 tests), runs
-# the quantization and FP8 EP = 1 backward tests on each variant that computes
-# gradients (not the *_timing ones, which transpose what is already transposed: timing only),
-# then times the FP8 step at TOKENS (default 2048,8192), one process per count, three rounds
-# alternating, and prints the FP8 backward megakernel's stage (summarize.py) and the step's
+# the quantization and FP8 EP = 1 backward tests on each variant, then times the FP8 step at
+# TOKENS (default 2048,8192), one process per count, three rounds alternating, and prints the FP8 backward megakernel's stage (summarize.py) and the step's
 # parts (experiments/step_ceilings/summarize.py) per variant. Outputs to $OUT (default /tmp).
 # About six minutes with two variants.
 set -uo pipefail
@@ -17,7 +15,6 @@ export VARIANT_TESTS="test_fp8_quantize_gpu test_layer_backward_gpu"
 source experiments/build_variants.sh
 build_variants $here /tmp/dt base $variants || exit 1
 for v in $variants; do
-  case $v in *_timing) continue ;; esac
   echo "== tests: $v"
   t=/tmp/dt_$v/build/tests
   timeout 120 $t/test_fp8_quantize_gpu 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure"
