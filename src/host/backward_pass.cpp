@@ -72,8 +72,8 @@ Status recompute_gate_up_overflow(const LayerWorkspace& ws, const SavedActivatio
 }
 
 // The FP8 weight gradients (LayerWorkspace::fp8_weight_gradients): each operand quantized along
-// the tokens and written transposed (dy, [dg | du]: 128 x 1; w·h, x: 128 x 128; dy and x from
-// their packed rows, [dg | du] and w·h from bf16), then the K-grouped FP8 GEMMs: d W_down's
+// the tokens and written transposed (dy, [dg | du]: 128 x 1; w·h, x: 128 x 128; dy, x and
+// [dg | du] from their packed rows, w·h from bf16), then the K-grouped FP8 GEMMs: d W_down's
 // operands first, then d W_gate's and d W_up's into the same buffers (BackwardRows).
 Status fp8_weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
                             const BackwardArgs& args, int32_t max_ctas, cudaStream_t stream) {
@@ -88,9 +88,10 @@ Status fp8_weight_gradients(const LayerWorkspace& ws, const SavedActivations& ac
     return kernels::launch_quantize_transposed(rows, ld, cap, table_rows, cols, sc, pow2, q,
                                                scales, stream);
   };
-  auto requantize = [&](const uint8_t* packed, TransposedScaling sc, uint8_t* q, float* scales) {
-    return kernels::launch_requantize_transposed(packed, cap, table_rows, H, sc, pow2, q, scales,
-                                                 stream);
+  auto requantize = [&](const uint8_t* packed, int64_t cols, TransposedScaling sc, uint8_t* q,
+                        float* scales) {
+    return kernels::launch_requantize_transposed(packed, cap, table_rows, cols, sc, pow2, q,
+                                                 scales, stream);
   };
   kernels::Fp8ExpertWgradArgs wg;
   wg.segments = kernels::ExpertSegments{ws.config.experts_per_rank(), cap,
@@ -109,14 +110,14 @@ Status fp8_weight_gradients(const LayerWorkspace& ws, const SavedActivations& ac
     wg.dw_expert_stride = dw_expert_stride;
     return kernels::launch_fp8_expert_wgrad(wg, stream);
   };
-  EPFLOW_CUDA_RETURN(requantize(reinterpret_cast<const uint8_t*>(b.ring.x),
+  EPFLOW_CUDA_RETURN(requantize(reinterpret_cast<const uint8_t*>(b.ring.x), H,
                                 TransposedScaling::k128x1, b.dy_t, nullptr));
   EPFLOW_CUDA_RETURN(
       quantize(b.wh, I, I, TransposedScaling::k128x128, b.wh_t, b.wh_t_scales));
   EPFLOW_CUDA_RETURN(
       gemm(b.dy_t, H, b.wh_t, b.wh_t_scales, I, args.d_down, args.d_down_expert_stride));
-  EPFLOW_CUDA_RETURN(requantize(b.x_fp8, TransposedScaling::k128x128, b.x_t, b.x_t_scales));
-  EPFLOW_CUDA_RETURN(quantize(b.ring.h, 2 * I, 2 * I, TransposedScaling::k128x1, b.dgu_t, nullptr));
+  EPFLOW_CUDA_RETURN(requantize(b.x_fp8, H, TransposedScaling::k128x128, b.x_t, b.x_t_scales));
+  EPFLOW_CUDA_RETURN(requantize(b.dgu_fp8, 2 * I, TransposedScaling::k128x1, b.dgu_t, nullptr));
   const int64_t dgu_row = fp8::packed_row_bytes(cap);
   EPFLOW_CUDA_RETURN(
       gemm(b.dgu_t, I, b.x_t, b.x_t_scales, H, args.d_gate, args.d_gate_expert_stride));
@@ -152,7 +153,8 @@ Status weight_gradients(const LayerWorkspace& ws, const SavedActivations& acts,
     return kernels::launch_expert_wgrad(wg, stream);
   };
   // FP8: the weight gradients read the pulled dy and x rows dequantized (Q(dy), Q(x): the
-  // operands the FP8 GEMMs read) into the x buffer in turn; [dg | du] are DhSink's bf16 values.
+  // operands the FP8 GEMMs read) into the x buffer in turn; [dg | du] are DhSink's bf16 values
+  // (which it writes only for weight gradients in bf16).
   const bool fp8 = ws.config.dtype == DType::kFP8Blockwise;
   const int64_t* table_rows = acts.schedule.seg_offset + ws.config.experts_per_rank();
   auto dequantize = [&](const uint8_t* packed) {
@@ -200,9 +202,10 @@ Status FusedBackward::run(LayerWorkspace& ws, const SavedActivations& acts,
   m.dw_partial = b.dw_partial;
   m.x_pull_offset = ws.layout.x;
   m.x_out = b.x;
-  if (m.fp8) {  // packed rows into the GEMMs and for the weight gradients; bf16 [dg | du] too
+  if (m.fp8) {  // packed rows into the GEMMs and for the weight gradients; bf16 [dg | du] for
+                // weight gradients in bf16 only
     m.ring_h = reinterpret_cast<__nv_bfloat16*>(b.dgu_fp8);
-    m.dgu_out = b.ring.h;
+    m.dgu_out = ws.fp8_weight_gradients ? nullptr : b.ring.h;
     m.x_out = b.x_fp8;
   }
   EPFLOW_CUDA_RETURN(kernels::launch_backward_megakernel(m, ws.sm_count, stream));

@@ -48,7 +48,7 @@ struct BackwardRows {
   __nv_bfloat16* gate_up_overflow = nullptr;
   // FP8 only: the pulled x rows and the [dg | du] rows the dx GEMM reads, as packed rows
   // ([rows, fp8::packed_row_bytes(H)], [rows, packed_row_bytes(2I)]); ring.x then holds the
-  // packed dy rows, ring.h the bf16 [dg | du] rows (for the weight gradients).
+  // packed dy rows, ring.h the bf16 [dg | du] rows (for weight gradients in bf16).
   uint8_t* x_fp8 = nullptr;
   uint8_t* dgu_fp8 = nullptr;
   // FP8 only, the FP8 weight gradients' operands (launch_quantize_transposed): dy and [dg | du]

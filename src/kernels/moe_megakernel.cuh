@@ -109,14 +109,14 @@ struct MegakernelArgs {
   const float* w_up_scales = nullptr;
   const float* w_down_scales = nullptr;
   // The FP8 backward (launch_backward_megakernel with fp8): dy and x rows are packed rows too,
-  // ring_h holds the packed [dg | du] rows the dx GEMM reads (dgu_out their bf16 values for the
-  // weight gradients), and the GEMMs read the weights transposed (Fp8ExpertWeights::gate_up_t,
-  // down_t: e4m3 wgmma reads K-major operands only).
+  // ring_h holds the packed [dg | du] rows the dx GEMM reads (dgu_out, if not null, their bf16
+  // values, for weight gradients in bf16), and the GEMMs read the weights transposed
+  // (Fp8ExpertWeights::gate_up_t, down_t: e4m3 wgmma reads K-major operands only).
   const uint8_t* w_gate_up_t_fp8 = nullptr;   // [experts, H, 2I]
   const uint8_t* w_down_t_fp8 = nullptr;      // [experts, I, H]
   const float* w_gate_up_t_scales = nullptr;  // [experts, H / 128, 2I / 128]
   const float* w_down_t_scales = nullptr;     // [experts, I / 128, H / 128]
-  __nv_bfloat16* dgu_out = nullptr;           // [ring rows, 2I]
+  __nv_bfloat16* dgu_out = nullptr;           // [ring rows, 2I] or null
   int32_t comm_ctas = 0;  // communication partition; the other CTAs compute
   int32_t rank = 0;       // for diagnostics
   int64_t timeout_ns = 0;

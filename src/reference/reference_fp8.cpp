@@ -116,8 +116,8 @@ std::vector<float> dequantized(const std::vector<float>& values, const std::vect
 }
 
 // A routed row's weight-gradient operands as the FP8 layer holds them for FP8 weight gradients:
-// Q(dy) and Q(x) read back as bf16 (launch_requantize_transposed's reading of the packed rows),
-// w·h = bf16(w h) and dg, du in bf16 (the dhp epilogue's).
+// Q(dy), Q(x) and Q([dg | du]) read back as bf16 (launch_requantize_transposed's reading of the
+// packed rows: the pulled dy and x rows, the dx GEMM's [dg | du] rows) and w·h = bf16(w h).
 struct WgradRow {
   std::vector<float> dy, x, wh, dg, du;
 };
@@ -183,9 +183,13 @@ void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, co
         row.dy[j] = round_bf16(dy_q[j]);
         row.x[j] = round_bf16(x_q[j]);
       }
-      for (int64_t i = 0; i < I; ++i) row.wh[i] = round_bf16(static_cast<float>(w) * h[i]);
-      row.dg = dgf;
-      row.du = duf;
+      row.dg.resize(I);
+      row.du.resize(I);
+      for (int64_t i = 0; i < I; ++i) {
+        row.wh[i] = round_bf16(static_cast<float>(w) * h[i]);
+        row.dg[i] = round_bf16(dgv[i] * dgs[i / fp8::kBlock]);
+        row.du[i] = round_bf16(duv[i] * dus[i / fp8::kBlock]);
+      }
     }
     if (sums == nullptr) continue;
     // The weight gradients: (w Q(dy))^T h, with dy as pulled (e4m3), and [dg | du]^T Q(x) (x

@@ -40,13 +40,17 @@ namespace epflow::kernels::megakernel {
 // thousands of instructions, far beyond the instruction cache, fetched again for every tile),
 // the epilogue took longer than the tile's MMAs: its warps stalled on loads and on instruction
 // fetches.
-// kFp8 (the FP8 backward): [dg | du] goes to dgu_out in bf16 (the weight gradients' operand) and,
-// quantized 1 x 128 from those bf16 values, into the ring's packed rows the dx GEMM reads: a
+// kFp8 (the FP8 backward): [dg | du] rounded to bf16 and quantized 1 x 128 from those values
+// into the ring's packed rows the dx GEMM reads (which the FP8 weight gradients requantize
+// too); in bf16 to dgu_out only when the weight gradients run in bf16 (dgu_out not null). A
 // row's 128-column block is held by a quad over two passes; each thread keeps the running amax
-// of its rows' dg and du, and once a block is complete (quantized_block) reads back the bf16
-// chunks it stored and writes their e4m3 bytes with the quad's scale. NOTES: the read-back costs
-// a second read of [dg | du] (mostly from L2, just written); keeping the block's bf16 pairs in
-// registers instead (64 per thread) is what left no registers for a pass loop.
+// of its rows' dg and du and stores its bf16 chunks over the g | u it has read in the staging
+// (the same bytes: dg over g, du over u), and once the block is complete (quantized_block) reads
+// them back and writes their e4m3 bytes with the quad's scale; only then are the two slots
+// refilled, with the next block's passes. NOTES: keeping the block's bf16 pairs in registers
+// (64 per thread) is what left no registers for a pass loop; storing them to global memory and
+// reading them back from there moved five bytes of [dg | du] per value through L2 instead of
+// one (the FP8 weight gradients read the packed rows).
 template <bool kFp8>
 struct DhSink {
   static constexpr bool kDirect = true;
@@ -65,6 +69,7 @@ struct DhSink {
   uint32_t* counter = nullptr;
   gemm::TileCoord c;  // the current tile (skip() needs it too)
   uint8_t* gu_smem;   // the warpgroup's staging, holding g | u
+  uint8_t* staged_row[2];    // the thread's rows in this pass's slot (g, then u at + kPassCols * 2)
   const uint8_t* staged[2];  // the thread's rows' g in this pass's slot (u: + kPassCols * 2)
   bool live[2];              // the thread's rows are routed rows (not padding)
   __nv_bfloat16* wh[2];      // the thread's rows of w·h at this n tile
@@ -114,7 +119,8 @@ struct DhSink {
     for (int half = 0; half < 2; ++half) {
       row[half] = int64_t{tile.a_row} + wg * 64 + tid / 32 * 16 + tid % 32 / 4 + 8 * half;
       wh[half] = a->wh_out + row[half] * I + col0;
-      dgu[half] = (kFp8 ? a->dgu_out : a->ring_h) + row[half] * 2 * I + col0;
+      dgu[half] = kFp8 ? (a->dgu_out ? a->dgu_out + row[half] * 2 * I + col0 : nullptr)
+                       : a->ring_h + row[half] * 2 * I + col0;
       packed[half] = reinterpret_cast<uint8_t*>(a->ring_h) +
                      row[half] * fp8::packed_row_bytes(2 * I) + col0;
       dot[half] = 0.0f;
@@ -134,17 +140,20 @@ struct DhSink {
       }
     }
   }
-  // Pass `pass`'s slot has landed (every thread's copies: hence the barrier).
+  // Pass `pass`'s slot has landed (every thread's copies: hence the barrier). Outstanding: the
+  // next pass's group, except before a pass that ends a refill (the last pass; in FP8, which
+  // refills both slots after each block, every second pass).
   __device__ __forceinline__ void begin(int, int) {
-    if (pass < kWritePasses - 1)
+    if (kFp8 ? pass % 2 == 0 : pass < kWritePasses - 1)
       ptx::cp_async_wait<1>();
     else
       ptx::cp_async_wait<0>();
     ptx::named_barrier_sync(1 + wg, 128);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      staged[half] = gu_smem + (tid / 32 * 16 + tid % 32 / 4 + 8 * half) * kStagedRowBytes +
-                     pass % 2 * kSlotBytes + q * 4;
+      staged_row[half] = gu_smem + (tid / 32 * 16 + tid % 32 / 4 + 8 * half) * kStagedRowBytes +
+                         pass % 2 * kSlotBytes;
+      staged[half] = staged_row[half] + q * 4;
       if (kFp8 && pass % 2 == 0) amax[half][0] = amax[half][1] = 0.0f;
     }
   }
@@ -186,19 +195,37 @@ struct DhSink {
       const uint4 vwh = gemm::quad_gather_block(wh_pairs[h], q);
       const uint4 vdg = gemm::quad_gather_block(dg_pairs[h], q);
       const uint4 vdu = gemm::quad_gather_block(du_pairs[h], q);
+      // NOTES: explicit 16-byte stores (__stwb: st.global.wb.v4, the default write-back
+      // policy): written as plain uint4 assignments, the compiler split each into four 4-byte
+      // stores here, four times the instructions and about 2.5x the L2 sector requests.
       if (block < cols) {
-        *reinterpret_cast<uint4*>(wh[h] + block) = vwh;
-        *reinterpret_cast<uint4*>(dgu[h] + block) = vdg;
-        *reinterpret_cast<uint4*>(dgu[h] + a->intermediate + block) = vdu;
+        __stwb(reinterpret_cast<uint4*>(wh[h] + block), vwh);
+        if (!kFp8 || dgu[h]) {
+          __stwb(reinterpret_cast<uint4*>(dgu[h] + block), vdg);
+          __stwb(reinterpret_cast<uint4*>(dgu[h] + a->intermediate + block), vdu);
+        }
+      }
+      if constexpr (kFp8) {  // over the g | u the quad has read (its own rows and columns)
+        const int chunk = 16 * (jj - 3 + q);
+        *reinterpret_cast<uint4*>(staged_row[h] + chunk) = vdg;
+        *reinterpret_cast<uint4*>(staged_row[h] + kPassCols * 2 + chunk) = vdu;
       }
     }
   }
-  // After pass `pass`: an FP8 block completed, the slot just read refilled with pass + 2's
-  // columns (once every thread has read it), and after the last pass the rows' <dhp, h>.
+  // After pass `pass`: the slot just read refilled with pass + 2's columns (once every thread
+  // has read it); in FP8, after a block's second pass, the block quantized and then both slots
+  // refilled with the next block's passes. After the last pass, the rows' <dhp, h>.
   __device__ __forceinline__ void end(int, int) {
-    if constexpr (kFp8)
-      if (pass % 2 == 1) quantized_block(pass / 2);
-    if (pass + 2 < kWritePasses) {
+    if constexpr (kFp8) {
+      if (pass % 2 == 1) {
+        quantized_block(pass / 2);
+        if (pass + 1 < kWritePasses) {
+          ptx::named_barrier_sync(1 + wg, 128);
+          load_pass(pass + 1);
+          load_pass(pass + 2);
+        }
+      }
+    } else if (pass + 2 < kWritePasses) {
       ptx::named_barrier_sync(1 + wg, 128);
       load_pass(pass + 2);
     }
@@ -215,22 +242,23 @@ struct DhSink {
     finish(true);
   }
   // kFp8: block b (of the tile's two 128-column blocks) of both rows' dg and du: the quad's amax
-  // by two shuffles, then the bf16 chunks this lane stored (n8 blocks 4i + q of the block: its
-  // own writes, read back) as e4m3, 8 bytes per chunk, and the scale by lane 0. Padding rows
-  // hold zeros (scale 1).
+  // by two shuffles, then the bf16 chunks this lane stored in the staging (n8 blocks 4i + q of
+  // the block, i < 2 in slot 0 and the rest in slot 1: its own writes, read back) as e4m3, 8
+  // bytes per chunk, and the scale by lane 0. Padding rows hold zeros (scale 1).
   __device__ __forceinline__ void quantized_block(int b) {
     const int64_t I = a->intermediate;
     const int32_t col = b * fp8::kBlock;  // in the tile
     if (col >= cols) return;              // past I (the same for the whole tile)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      const uint8_t* row_smem = gu_smem + (tid / 32 * 16 + tid % 32 / 4 + 8 * h) * kStagedRowBytes;
       uint4 chunk[2][4];
 #pragma unroll
       for (int part = 0; part < 2; ++part)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          chunk[part][i] =
-              *reinterpret_cast<const uint4*>(dgu[h] + part * I + col + 8 * (4 * i + q));
+          chunk[part][i] = *reinterpret_cast<const uint4*>(
+              row_smem + i / 2 * kSlotBytes + part * kPassCols * 2 + 16 * (4 * (i % 2) + q));
 #pragma unroll
       for (int part = 0; part < 2; ++part) {  // dg, then du (I columns later)
         float m = amax[h][part];
@@ -275,9 +303,10 @@ struct DhSink {
     for (int32_t i = tid; i < 64 * 3 * chunks; i += 128) {
       const int64_t row = int64_t{c.a_row} + wg * 64 + i / (3 * chunks);
       const int32_t part = i % (3 * chunks) / chunks, col = i % chunks * 8;
+      __nv_bfloat16* dgu_rows = kFp8 ? a->dgu_out : a->ring_h;
+      if (part > 0 && !dgu_rows) continue;
       __nv_bfloat16* dst = part == 0 ? a->wh_out + row * I + col0 + col
-                                     : (kFp8 ? a->dgu_out : a->ring_h) + row * 2 * I +
-                                           (part - 1) * I + col0 + col;
+                                     : dgu_rows + row * 2 * I + (part - 1) * I + col0 + col;
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
     if constexpr (kFp8) {
