@@ -6,6 +6,10 @@ samples, their top stall reasons, and per source file the samples, the no-instru
 (instruction fetch) and the static SASS instruction count (the code's size).
 
     source_stalls.py SOURCE.csv [--top N]
+    source_stalls.py SOURCE.csv --metric COLUMN [--top N]
+
+--metric: instead, the lines with the largest sums of that column (its header, or a substring
+of it, e.g. "Sectors Global Excessive"); without a match it lists the headers.
 """
 import argparse
 import collections
@@ -42,11 +46,45 @@ def read_source_csv(path):
     return samples, reasons, sass, text
 
 
+def metric_by_line(path, name, top):
+    """The lines with the largest sums of the column whose header contains `name`."""
+    sums, text, src, col = collections.Counter(), {}, None, None
+    for row in csv.reader(open(path)):
+        if not row or row[0] == "Function Name":
+            continue
+        if row[0] == "File Path":
+            src = row[1].split("/")[-1]
+            continue
+        if row[0] == "Line No":
+            cols = [i for i, h in enumerate(row) if h == name] or [
+                i for i, h in enumerate(row) if name in h]
+            if not cols:
+                raise SystemExit("no column matches %r; the headers: %s" % (name, "; ".join(row)))
+            col = cols[0]
+            header = row[col]
+            continue
+        if row[0] == "" or col is None:
+            continue
+        line = (src, int(row[0]))
+        text[line] = row[1].strip()[:80]
+        try:
+            sums[line] += float(row[col].replace(",", "") or 0)
+        except ValueError:
+            pass
+    total = sum(sums.values())
+    print(f"{header}: {total:.0f} over {len(sums)} lines")
+    for k, v in sums.most_common(top):
+        print(f"{v:14.0f} {100 * v / max(total, 1):5.1f}  {k[0]}:{k[1]} {text[k]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--metric")
     args = ap.parse_args()
+    if args.metric:
+        return metric_by_line(args.csv, args.metric, args.top)
     samples, reasons, sass, text = read_source_csv(args.csv)
     total = sum(samples.values())
     print(f"warp-stall samples: {total}")
