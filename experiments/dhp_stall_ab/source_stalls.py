@@ -16,27 +16,39 @@ import collections
 import csv
 
 
-def read_source_csv(path):
-    """Per (file, line): warp-stall samples, stall reasons, SASS instructions, its text."""
-    samples, sass = collections.Counter(), collections.Counter()
-    reasons = collections.defaultdict(collections.Counter)
-    text = {}
-    src, line, header = None, None, None
+def source_rows(path):
+    """The source page's rows: ("header", row) for each function's column names, ("line", (file,
+    line), row) for a source line, ("sass", None, row) for a SASS instruction of the line above."""
+    src = None
     for row in csv.reader(open(path)):
         if not row or row[0] == "Function Name":
             continue
         if row[0] == "File Path":
             src = row[1].split("/")[-1]
-            continue
-        if row[0] == "Line No":
+        elif row[0] == "Line No":
+            yield "header", None, row
+        elif row[0] == "":
+            yield "sass", None, row
+        else:
+            yield "line", (src, int(row[0])), row
+
+
+def read_source_csv(path):
+    """Per (file, line): warp-stall samples, stall reasons, SASS instructions, its text."""
+    samples, sass = collections.Counter(), collections.Counter()
+    reasons = collections.defaultdict(collections.Counter)
+    text = {}
+    line = None
+    for kind, key, row in source_rows(path):
+        if kind == "header":
             header = row
             col = header.index("Warp Stall Sampling (All Samples)")
             stalls = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
             continue
-        if row[0] == "":  # a SASS instruction of the line above
+        if kind == "sass":  # a SASS instruction of the line above
             sass[line] += 1
             continue
-        line = (src, int(row[0]))
+        line = key
         text[line] = row[1].strip()[:80]
         n = int(row[col]) if row[col].isdigit() else 0
         samples[line] += n
@@ -47,30 +59,22 @@ def read_source_csv(path):
 
 
 def metric_by_line(path, name, top):
-    """The lines with the largest sums of the column whose header contains `name`."""
-    sums, text, src, col = collections.Counter(), {}, None, None
-    for row in csv.reader(open(path)):
-        if not row or row[0] == "Function Name":
-            continue
-        if row[0] == "File Path":
-            src = row[1].split("/")[-1]
-            continue
-        if row[0] == "Line No":
+    """The lines with the largest sums of the column whose header is (or contains) `name`."""
+    sums, text, col = collections.Counter(), {}, None
+    for kind, line, row in source_rows(path):
+        if kind == "header":
             cols = [i for i, h in enumerate(row) if h == name] or [
                 i for i, h in enumerate(row) if name in h]
             if not cols:
                 raise SystemExit("no column matches %r; the headers: %s" % (name, "; ".join(row)))
             col = cols[0]
             header = row[col]
-            continue
-        if row[0] == "" or col is None:
-            continue
-        line = (src, int(row[0]))
-        text[line] = row[1].strip()[:80]
-        try:
-            sums[line] += float(row[col].replace(",", "") or 0)
-        except ValueError:
-            pass
+        elif kind == "line":
+            text[line] = row[1].strip()[:80]
+            try:
+                sums[line] += float(row[col].replace(",", "") or 0)
+            except ValueError:
+                pass
     total = sum(sums.values())
     print(f"{header}: {total:.0f} over {len(sums)} lines")
     for k, v in sums.most_common(top):
