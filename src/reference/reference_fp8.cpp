@@ -183,12 +183,12 @@ void token_backward_fp8(const LayerConfig& config, const Fp8Experts& experts, co
         row.dy[j] = round_bf16(dy_q[j]);
         row.x[j] = round_bf16(x_q[j]);
       }
-      row.dg.resize(I);
-      row.du.resize(I);
+      row.dg = dequantized(dgv, dgs);
+      row.du = dequantized(duv, dus);
       for (int64_t i = 0; i < I; ++i) {
         row.wh[i] = round_bf16(static_cast<float>(w) * h[i]);
-        row.dg[i] = round_bf16(dgv[i] * dgs[i / fp8::kBlock]);
-        row.du[i] = round_bf16(duv[i] * dus[i / fp8::kBlock]);
+        row.dg[i] = round_bf16(row.dg[i]);
+        row.du[i] = round_bf16(row.du[i]);
       }
     }
     if (sums == nullptr) continue;

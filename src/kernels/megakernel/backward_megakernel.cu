@@ -78,7 +78,8 @@ cudaError_t launch_backward_megakernel(const MegakernelArgs& a, int32_t sm_count
     return cudaErrorInvalidValue;
   if (a.fp8) {
     megakernel::Maps m;
-    if (!megakernel::fp8_shape_ok<megakernel::Fp8BackwardPass>(a) || !a.w_gate_up_t_fp8 || !a.w_down_t_fp8 || !a.w_gate_up_t_scales || !a.w_down_t_scales ||
+    if (!megakernel::fp8_shape_ok<megakernel::Fp8BackwardPass>(a) || !a.w_gate_up_t_fp8 ||
+        !a.w_down_t_fp8 || !a.w_gate_up_t_scales || !a.w_down_t_scales ||
         !megakernel::encode_fp8_backward_maps(a, &m))
       return cudaErrorInvalidValue;
     return megakernel::launch<megakernel::Fp8BackwardPass>(m, a, sm_count, stream);

@@ -140,6 +140,10 @@ struct DhSink {
       }
     }
   }
+  // The thread's row `half` (rows g, g + 8 of its warp's 16) in the warpgroup's staging.
+  __device__ __forceinline__ uint8_t* staged_row_of(int half) const {
+    return gu_smem + (tid / 32 * 16 + tid % 32 / 4 + 8 * half) * kStagedRowBytes;
+  }
   // Pass `pass`'s slot has landed (every thread's copies: hence the barrier). Outstanding: the
   // next pass's group, except before a pass that ends a refill (the last pass; in FP8, which
   // refills both slots after each block, every second pass).
@@ -151,8 +155,7 @@ struct DhSink {
     ptx::named_barrier_sync(1 + wg, 128);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      staged_row[half] = gu_smem + (tid / 32 * 16 + tid % 32 / 4 + 8 * half) * kStagedRowBytes +
-                         pass % 2 * kSlotBytes;
+      staged_row[half] = staged_row_of(half) + pass % 2 * kSlotBytes;
       staged[half] = staged_row[half] + q * 4;
       if (kFp8 && pass % 2 == 0) amax[half][0] = amax[half][1] = 0.0f;
     }
@@ -251,7 +254,7 @@ struct DhSink {
     if (col >= cols) return;              // past I (the same for the whole tile)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint8_t* row_smem = gu_smem + (tid / 32 * 16 + tid % 32 / 4 + 8 * h) * kStagedRowBytes;
+      const uint8_t* row_smem = staged_row_of(h);
       uint4 chunk[2][4];
 #pragma unroll
       for (int part = 0; part < 2; ++part)
